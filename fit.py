@@ -1,0 +1,882 @@
+"""fit.py: a drop-in training loop for JAX + Flax, in one file you copy into your project.
+
+    from fit import TrainState, lr_schedule, fit, load_ckpt
+
+    lr_fn = lr_schedule(base_lr=1e-3, steps_per_epoch=len(train_ds), epochs=10, warmup_epochs=1)
+    var = model.init(jax.random.key(0), x0, train=True)
+    state = TrainState.create(apply_fn=model.apply, params=var["params"],
+                              batch_stats=var.get("batch_stats", {}),
+                              tx=optax.inject_hyperparams(optax.adam)(lr_fn))
+
+    def loss_fn(logits, labels):     # -> scalar loss, or (scalar loss, {name: scalar})
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return loss, {"loss": loss}
+
+    def eval_step(state, batch):     # -> scalar (logged as "accuracy") or {name: scalar},
+        x, y = batch                 #    each a mean over the batch's examples
+        variables = {"params": state.params, "batch_stats": state.batch_stats}
+        logits = state.apply_fn(variables, x, train=False)
+        return (logits.argmax(-1) == y).mean()
+
+    state, history = fit(state, train_ds, test_ds, loss_fn=loss_fn, eval_step=eval_step,
+                         num_epochs=10, log_name="mnist", hparams={"lr": 1e-3})
+
+What you supply
+- A `TrainState` (below): params, optimizer, `batch_stats` (empty without BatchNorm), `rng`.
+- Data: `(x, y)` numpy arrays with `batch_size=`, or any iterable of `(inputs, targets)` batches
+  (a list, a generator, `tfds.as_numpy(...)`, a torch-style loader). Dict batches need
+  `batch_keys=("image", "label")`, or your own `train_step`/`eval_step`.
+- `loss_fn(outputs, targets)`: the model is called as `apply_fn({"params", "batch_stats"}, inputs,
+  train=True, mutable=["batch_stats"], rngs={"dropout": fold_in(rng, step)})` and its output goes
+  to `loss_fn`. Any other model layout: pass `train_step(state, batch) -> (state, metrics)`.
+- `eval_step(state, batch)`: per-batch means; fit weights them by batch size, so the logged
+  metric is exactly the metric over the whole eval set.
+
+What you get: data-parallel training on every device (a mesh over them, batches sharded, the
+state replicated), a progress bar, TensorBoard scalars and hparams under `<workdir>/logs/<run>`,
+orbax checkpoints (the last and the best) under `<workdir>/checkpoints/<run>`, exact resume with
+`resume=True`, and `(state, history)` back. See README.md for every argument.
+"""
+import collections
+import contextlib
+import functools
+import itertools
+import json
+import math
+import os
+import re
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as _hparams_summaries
+from tqdm.auto import tqdm
+
+__all__ = ["TrainState", "lr_schedule", "fit", "load_ckpt", "History"]
+
+
+class TrainState(train_state.TrainState):
+    """Flax's TrainState plus `batch_stats` (BatchNorm statistics, `{}` without BatchNorm) and
+    `rng`, the base key of the run: step n draws its dropout key as `fold_in(rng, n)`, so no key
+    is reused and randomness survives a resume. Left `None`, fit fills it from `seed` (and
+    returns it as raw `uint32` key data, which orbax can save)."""
+    batch_stats: Any = flax.struct.field(default_factory=dict)
+    rng: Any = None
+
+
+def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0):
+    """Linear warmup from `init_value` (default 0) to `base_lr` over `warmup_epochs`, then a
+    cosine decay that reaches `end_value` (default 0) exactly at the last step,
+    `epochs * steps_per_epoch - 1`. Returns an optax schedule (step -> learning rate)."""
+    for name, value in (("steps_per_epoch", steps_per_epoch), ("epochs", epochs)):
+        _check_positive_int(name, value, "lr_schedule")
+    if not (isinstance(warmup_epochs, (int, float)) and 0 <= warmup_epochs < epochs):
+        raise ValueError(f"lr_schedule: warmup_epochs must be >= 0 and shorter than epochs, got "
+                         f"warmup_epochs={warmup_epochs!r} and epochs={epochs!r}; lower "
+                         f"warmup_epochs or raise epochs.")
+    total = epochs * steps_per_epoch
+    warmup = int(round(warmup_epochs * steps_per_epoch))
+    # The cosine spans the steps after warmup up to the last step, so it reaches end_value at
+    # step total-1 (a common bug is to decay over `total` and stop one step short, or to decay
+    # over the whole run and finish warmup on a schedule that has already started decaying).
+    decay_steps = max(total - 1 - warmup, 1)
+    cosine = optax.cosine_decay_schedule(base_lr, decay_steps, alpha=end_value / base_lr if base_lr else 0.0)
+    if warmup == 0:
+        return cosine
+    linear = optax.linear_schedule(init_value, base_lr, warmup)
+    return optax.join_schedules([linear, cosine], [warmup])
+
+
+class History(dict):
+    """`fit`'s history: a dict of lists (`epoch`, `step`, `train/<metric>` per epoch;
+    `eval/epoch`, `eval/step`, `eval/<metric>` per eval; `stopped`: why the run stopped early),
+    plus the run's directories as attributes `run`, `log_dir` and `ckpt_dir`."""
+    run = log_dir = ckpt_dir = None
+
+
+def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epochs=1,
+        eval_freq=1, log_every=50, log_name="run", workdir=None, hparams=None, seed=0,
+        resume=False, monitor=None, mode="auto", max_to_keep=1, lr_fn=None, batch_size=None,
+        train_step=None, batch_keys=None, ckpt_every=None, steps_per_epoch=None,
+        on_nonfinite="raise"):
+    """Trains `state` on `train_ds` for `num_epochs` and returns `(state, history)`.
+
+    Every argument is documented in README.md ("API reference"). In short: `eval_freq` epochs
+    between evals, `log_every` steps between train logs, `ckpt_every` steps between extra
+    checkpoints (besides every epoch end), `monitor`/`mode` pick the best checkpoint, of which
+    `max_to_keep` are kept besides the last. `on_nonfinite="raise"` stops with FloatingPointError
+    on a NaN/Inf loss or parameter; `"skip"` drops such updates on device and counts them.
+    """
+    # 1. Validate everything that can be checked before touching the disk or compiling.
+    for name, value in (("num_epochs", num_epochs), ("eval_freq", eval_freq),
+                        ("log_every", log_every), ("max_to_keep", max_to_keep)):
+        _check_positive_int(name, value)
+    for name, value in (("ckpt_every", ckpt_every), ("steps_per_epoch", steps_per_epoch),
+                        ("batch_size", batch_size)):
+        if value is not None:
+            _check_positive_int(name, value)
+    if mode not in ("auto", "min", "max"):
+        raise ValueError(f"fit: mode must be 'auto', 'min' or 'max', got {mode!r}.")
+    if on_nonfinite not in ("raise", "skip"):
+        raise ValueError(f"fit: on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
+    if train_step is None and loss_fn is None:
+        raise ValueError("fit: pass loss_fn(outputs, targets) (or your own train_step).")
+    if not isinstance(log_name, str) or not re.fullmatch(r"[\w.-]+", log_name):
+        raise ValueError(f"fit: log_name must be a non-empty name of letters, digits, '_', '-' "
+                         f"or '.', got {log_name!r}.")
+    if getattr(state, "tx", None) is None or not hasattr(state, "apply_gradients"):
+        raise ValueError(f"fit: state must be a TrainState with an optimizer (tx), got "
+                         f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build it "
+                         f"with TrainState.create(apply_fn=..., params=..., tx=optax.adam(...)).")
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    replicated = NamedSharding(mesh, P())
+    custom = train_step is not None
+    train = _Data(train_ds, "train_ds", batch_size, True, seed, batch_keys, custom, steps_per_epoch)
+    test = None if test_ds is None else _Data(test_ds, "test_ds", batch_size, False, seed,
+                                              batch_keys, eval_step is not None, None)
+    if train.sharded_size % mesh.size:
+        n = train.sharded_size
+        raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
+                         f"devices ({mesh.size}) so every device gets an equal share; use a "
+                         f"batch size of {n - n % mesh.size or mesh.size} or "
+                         f"{n + mesh.size - n % mesh.size}.")
+    state = _prepare_state(state, seed, replicated)
+    lr_of = _lr_getter(state, lr_fn)
+    step_fn = train_step or _default_train_step(loss_fn)
+    train_fn = jax.jit(functools.partial(_train_and_accumulate, step_fn, lr_of, on_nonfinite),
+                       donate_argnums=0, out_shardings=replicated)
+    acc0 = jax.device_put(_zeros(jax.eval_shape(train_fn, state, None, train.spec)[1]),
+                          replicated)
+    train_names = list(acc0["sum"])
+    eval_fn = None
+    eval_names = []
+    if test is not None:
+        eval_fn = jax.jit(functools.partial(_eval_and_accumulate, eval_step or
+                                            _default_eval_step(loss_fn)), out_shardings=replicated)
+        eval_names = list(jax.eval_shape(lambda s, b: _eval_and_accumulate(
+            eval_step or _default_eval_step(loss_fn), s, None, b), state, test.spec)["sum"])
+    monitor, mode = _pick_monitor(monitor, mode, train_names, eval_names)
+    spe = steps_per_epoch or train.length
+    total = spe * num_epochs if spe else None
+
+    # 2. The run: its directories, the checkpoint manager, and (on resume) its last state.
+    workdir = os.path.abspath(workdir or os.getcwd())
+    _check_writable(workdir)
+    run, restored = _pick_run(workdir, log_name, resume)
+    log_dir = os.path.join(workdir, "logs", run)
+    ckpt_dir = os.path.join(workdir, "checkpoints", run)
+    lead = jax.process_index() == 0
+    mgr = _manager(ckpt_dir, monitor, mode, max_to_keep)
+    meta = _fresh_meta()
+    if restored:
+        state, meta = _restore(mgr, mgr.latest_step(), state)
+    history = History(meta["history"])
+    history.run, history.log_dir, history.ckpt_dir = run, log_dir, ckpt_dir
+    step = int(jax.device_get(state.step))
+    epoch, done = meta["epoch"], meta["batch"]
+    if epoch >= num_epochs:
+        mgr.close()
+        _say(lead, f"fit: run {run} already finished epoch {epoch} of {num_epochs}; nothing to do.")
+        return state, history
+    writer = SummaryWriter(log_dir, purge_step=step if step else None) if lead else None
+    if lead and step == 0:
+        used = {"num_epochs": num_epochs, "batch_size": train.sharded_size, "devices": mesh.size,
+                "seed": seed, "log_every": log_every, "eval_freq": eval_freq,
+                "steps_per_epoch": spe, "optimizer": _tx_name(state.tx), "monitor": monitor,
+                **(hparams or {})}
+        exp, ssi, _ = _hparams_summaries({k: _hparam_value(v) for k, v in used.items()},
+                                         {t: 0.0 for t in _hparam_metrics(train_names, eval_names, monitor)})
+        writer._get_file_writer().add_summary(exp)
+        writer._get_file_writer().add_summary(ssi)
+    _say(lead, f"fit: {'resuming' if step else 'starting'} run {run!r} at step {step} on "
+               f"{mesh.size} device(s); TensorBoard: tensorboard --logdir {os.path.join(workdir, 'logs')}")
+    if lr_of is None:
+        _say(lead, "fit: the learning rate is not logged: use optax.inject_hyperparams or pass lr_fn=.")
+
+    # 3. The loop. Nothing on the per-step path reads a device value: metrics are summed on
+    # device and fetched at log points from a step that has already finished.
+    logger = _Logger(writer, history, meta, lead, total, step, train.sharded_size, on_nonfinite)
+    stop = _StopOnSignal()
+    saved_step = step if restored else None
+    put = functools.partial(_put, mesh, replicated)
+    try:
+        with stop:
+            acc, inflight, data_state = acc0, collections.deque(), None
+            while epoch < num_epochs and not stop.reason:
+                trained = 0
+                logger.start_epoch(epoch, num_epochs)
+                for batch, data_state in _prefetch(train.epoch(epoch, done, meta["data_state"]), put):
+                    # Checkpoints and stops happen before the next batch is trained, so the saved
+                    # position (`done` batches, the iterator's state) is exactly where to go on.
+                    if ckpt_every and step % ckpt_every == 0 and step != saved_step:
+                        acc = logger.flush(acc, acc0, step)
+                        meta.update(epoch=epoch, batch=done, data_state=data_state)
+                        _save(mgr, step, state, meta, logger, None)
+                        saved_step = step
+                    if stop.reason:
+                        break
+                    first = step == logger.first_step
+                    if first:
+                        logger.compile_started()
+                    state, acc = train_fn(state, acc, batch)
+                    if first:
+                        jax.block_until_ready(acc)  # the one wait: compile time is kept apart
+                        logger.compiled()
+                    step, done, trained = step + 1, done + 1, trained + 1
+                    logger.poll()  # reads the interval stashed at the last log point
+                    if step % log_every == 0:
+                        acc = logger.stash(acc, acc0, step)
+                    # Keep the host at most two steps ahead, so it does not queue up batches.
+                    inflight.append(acc["n"])
+                    if len(inflight) > 2:
+                        inflight.popleft().block_until_ready()
+                if stop.reason:
+                    break
+                if trained == 0 and done == 0:
+                    raise ValueError(f"fit: train_ds yielded no batches in epoch {epoch + 1}; a "
+                                     f"generator can be iterated only once: pass a list or a "
+                                     f"re-iterable loader, or set steps_per_epoch.")
+                acc = logger.flush(acc, acc0, step)
+                logger.end_epoch(epoch, step)
+                value = None
+                if eval_fn is not None and ((epoch + 1) % eval_freq == 0 or epoch + 1 == num_epochs):
+                    results = _evaluate(eval_fn, state, test, put)
+                    logger.log_eval(epoch + 1, step, results)
+                    value = results.get(monitor[len("eval/"):])
+                if monitor.startswith("train/"):
+                    value = history[monitor][-1]
+                if value is not None:
+                    logger.track_best(monitor, mode, value, step)
+                epoch, done = epoch + 1, 0
+                meta.update(epoch=epoch, batch=0, data_state=None)
+                if step != saved_step:
+                    _save(mgr, step, state, meta, logger, None if value is None else {monitor: value})
+                    saved_step = step
+            if stop.reason:
+                acc = logger.flush(acc, acc0, step)
+                history.setdefault("stopped", []).append(f"{stop.reason} at step {step}")
+                meta.update(epoch=epoch, batch=done, data_state=data_state if done else None)
+                if step != saved_step:
+                    _save(mgr, step, state, meta, logger, None)
+                _say(lead, f"fit: stopped by {stop.reason} at step {step}; checkpoint saved, "
+                           f"continue with resume=True.")
+    finally:
+        mgr.wait_until_finished()  # raises errors of asynchronous saves here, never loses them
+        mgr.close()
+        logger.close()
+    if stop.reason == "SIGTERM":
+        raise SystemExit(128 + signal.SIGTERM)  # 143: what schedulers expect after SIGTERM
+    return state, history
+
+
+def load_ckpt(state, ckpt_dir, step=None):
+    """Restores a state saved by `fit` from a run's checkpoint directory
+    (`<workdir>/checkpoints/<run>`). `step` is a step number, `"last"`/`None` (the latest) or
+    `"best"`. `state` gives the structure, shapes and shardings; its values are not used."""
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    if not os.path.isdir(ckpt_dir):
+        raise FileNotFoundError(f"load_ckpt: no checkpoint directory at {ckpt_dir}.")
+    mgr = ocp.CheckpointManager(ckpt_dir, item_names=("state", "meta"),
+                                options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        steps = mgr.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"load_ckpt: {ckpt_dir} holds no complete checkpoint.")
+        if step in (None, "last"):
+            step = max(steps)
+        elif step == "best":
+            step = mgr.restore(max(steps), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["best_step"]
+            step = max(steps) if step is None else step
+        elif step not in steps:
+            raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps {sorted(steps)}.")
+        state = _prepare_state(state, 0, NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P()))
+        return _restore(mgr, step, state)[0]
+    finally:
+        mgr.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Device code: everything below up to the host helpers runs inside jax.jit.
+
+def _default_train_step(loss_fn):
+    """The step of the template users know: one forward pass in train mode, one update."""
+    def train_step(state, batch):
+        inputs, targets = batch
+        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        has_bs = bool(jax.tree.leaves(state.batch_stats))
+
+        def loss_of(params):
+            variables = {"params": params, **({"batch_stats": state.batch_stats} if has_bs else {})}
+            kwargs = {"mutable": ["batch_stats"]} if has_bs else {}
+            out = state.apply_fn(variables, inputs, train=True, rngs={"dropout": rng}, **kwargs)
+            out, updates = out if has_bs else (out, {})
+            loss, metrics = _split_loss(loss_fn(out, targets))
+            return loss, (metrics, updates)
+
+        (loss, (metrics, updates)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        state = state.apply_gradients(grads=grads)
+        if has_bs:
+            state = state.replace(batch_stats=updates["batch_stats"])
+        return state, {"loss": loss, **metrics}
+    return train_step
+
+
+def _default_eval_step(loss_fn):
+    """Without an eval_step, eval reports loss_fn's loss and metrics in inference mode."""
+    def eval_step(state, batch):
+        inputs, targets = batch
+        has_bs = bool(jax.tree.leaves(state.batch_stats))
+        variables = {"params": state.params, **({"batch_stats": state.batch_stats} if has_bs else {})}
+        loss, metrics = _split_loss(loss_fn(state.apply_fn(variables, inputs, train=False), targets))
+        return {"loss": loss, **metrics}
+    return eval_step
+
+
+def _split_loss(out):
+    loss, metrics = out if isinstance(out, tuple) else (out, {})
+    loss = jnp.asarray(loss)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"fit: loss_fn must return a scalar float loss (or (loss, metrics)), got "
+                        f"an array of shape {loss.shape} and dtype {loss.dtype}; reduce it with "
+                        f".mean().")
+    if not isinstance(metrics, dict):
+        raise TypeError(f"fit: loss_fn's second output must be a dict of scalar metrics, got "
+                        f"{type(metrics).__name__}.")
+    return loss, metrics
+
+
+def _scalars(metrics, who):
+    """Checks a step's metrics and casts them to float32 scalars."""
+    if not isinstance(metrics, dict):
+        metrics = {"accuracy": metrics} if who == "eval_step" else {"loss": metrics}
+    out = {}
+    for name, value in metrics.items():
+        value = jnp.asarray(value)
+        if value.shape != ():
+            raise TypeError(f"fit: {who} must return scalars (per-batch means), but metric "
+                            f"{name!r} has shape {value.shape}; reduce it with .mean().")
+        out[name] = value.astype(jnp.float32)
+    return out
+
+
+def _train_and_accumulate(step_fn, lr_of, on_nonfinite, state, acc, batch):
+    """One train step plus the on-device bookkeeping: metric sums since the last log point, a
+    count of steps whose loss or parameters are not finite, and the learning rate."""
+    new_state, metrics = step_fn(state, batch)
+    metrics = _scalars(metrics, "train_step")
+    finite = jnp.all(jnp.stack([jnp.isfinite(v) for v in metrics.values()] +
+                               [jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_state.params)]))
+    if on_nonfinite == "skip":  # keep the old state on device, no host round trip
+        new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+    # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
+    new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
+    if acc is None:
+        acc = _zeros({"sum": metrics, "n": jnp.int32(0), "bad": jnp.int32(0),
+                      "first_bad": jnp.int32(0), "lr": jnp.float32(0)})
+    metrics_ok = {k: jnp.where(finite, v, 0.0) for k, v in metrics.items()} if on_nonfinite == "skip" else metrics
+    lr = acc["lr"] if lr_of is None else jnp.asarray(lr_of(state), jnp.float32)
+    return new_state, {
+        "sum": {k: acc["sum"][k] + v for k, v in metrics_ok.items()},
+        "n": acc["n"] + jnp.where(finite | (on_nonfinite == "raise"), 1, 0).astype(jnp.int32),
+        "bad": acc["bad"] + (~finite).astype(jnp.int32),
+        "first_bad": jnp.where((acc["bad"] == 0) & ~finite, state.step.astype(jnp.int32), acc["first_bad"]),
+        "lr": lr,
+    }
+
+
+def _eval_and_accumulate(eval_step, state, acc, batch):
+    """Adds one eval batch's metrics, weighted by its size, to the running sums."""
+    metrics = _scalars(eval_step(state, batch), "eval_step")
+    n = jax.tree.leaves(batch)[0].shape[0]
+    if acc is None:
+        acc = {"sum": {k: jnp.float32(0) for k in metrics}, "n": jnp.float32(0)}
+    return {"sum": {k: acc["sum"][k] + v * n for k, v in metrics.items()}, "n": acc["n"] + n}
+
+
+def _zeros(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host code: data, placement, checkpoints, logging.
+
+class _Data:
+    """Turns a data argument into per-epoch iterators of `(batch, data_state)` on the host.
+
+    Arrays `(x, y)` are batched here and shuffled from `(seed, epoch)`. A re-iterable (list,
+    loader) is iterated once per epoch. A one-shot iterator (generator) is read as one stream:
+    with `steps_per_epoch` each epoch takes that many batches from it, else it is one epoch.
+    """
+
+    def __init__(self, ds, name, batch_size, shuffle, seed, batch_keys, custom, steps_per_epoch):
+        self.name, self.shuffle, self.seed, self.keys, self.custom = name, shuffle, seed, batch_keys, custom
+        self.arrays = isinstance(ds, (tuple, list)) and len(ds) == 2 and all(
+            isinstance(a, np.ndarray) or isinstance(a, jax.Array) for a in ds)
+        self.steps_per_epoch = steps_per_epoch
+        if self.arrays:
+            if batch_size is None:
+                raise ValueError(f"fit: {name} is a pair of arrays (x, y); pass batch_size= so fit "
+                                 f"can batch them.")
+            x, y = (np.asarray(a) for a in ds)
+            if len(x) != len(y) or len(x) == 0:
+                raise ValueError(f"fit: {name} must be two non-empty arrays with the same number of "
+                                 f"examples, got {len(x)} inputs and {len(y)} targets.")
+            self.x, self.y, self.batch_size = x, y, batch_size
+            self.length = math.ceil(len(x) / batch_size)
+            first = self._convert((x[:batch_size], y[:batch_size]), 0)
+        else:
+            if batch_size is not None and name == "train_ds":
+                raise ValueError(f"fit: batch_size={batch_size} is only for array data (x, y), but "
+                                 f"{name} is a {type(ds).__name__} that yields its own batches; "
+                                 f"drop batch_size.")
+            try:
+                iterator = iter(ds)
+            except TypeError:
+                raise TypeError(f"fit: {name} must be arrays (x, y) or an iterable of batches, got "
+                                f"{type(ds).__name__}.") from None
+            self.stream = iterator is ds  # a one-shot iterator: generators, tfds.as_numpy, ...
+            self.fresh = True
+            try:
+                raw = next(iterator)
+            except StopIteration:
+                raise ValueError(f"fit: {name} is empty: it yielded no batches.") from None
+            first = self._convert(raw, 0)
+            if self.stream:
+                self.ds = itertools.chain([raw], iterator)
+            else:
+                self.ds = ds
+            self.length = len(ds) if hasattr(ds, "__len__") and not self.stream else None
+        self.spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), first)
+        self.sharded_size = jax.tree.leaves(first)[0].shape[0]
+
+    def _convert(self, batch, index):
+        """A host batch as numpy arrays, with a clear error for anything else."""
+        if isinstance(batch, dict) and self.keys is not None:
+            missing = [k for k in self.keys if k not in batch]
+            if missing:
+                raise KeyError(f"fit: batch_keys {self.keys!r} name keys missing from {self.name}'s "
+                               f"batches, which have keys {sorted(batch)}.")
+            batch = (batch[self.keys[0]], batch[self.keys[1]])
+        elif isinstance(batch, dict) and not self.custom:
+            raise TypeError(f"fit: {self.name} yields dict batches with keys {sorted(batch)}; say "
+                            f"which are inputs and targets with batch_keys=(inputs_key, "
+                            f"targets_key), or pass your own train_step/eval_step.")
+        if not self.custom and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(f"fit: {self.name} must yield (inputs, targets) pairs, but batch "
+                            f"{index} is a {type(batch).__name__}"
+                            f"{f' of length {len(batch)}' if hasattr(batch, '__len__') else ''}.")
+        batch = jax.tree.map(np.asarray, tuple(batch) if isinstance(batch, list) else batch)
+        leaves = jax.tree.leaves(batch)
+        if not leaves or any(a.ndim == 0 for a in leaves) or len({a.shape[0] for a in leaves}) != 1:
+            raise ValueError(f"fit: every array in a batch of {self.name} needs the same leading "
+                             f"(batch) dimension; batch {index} has shapes "
+                             f"{[a.shape for a in leaves]}.")
+        spec = getattr(self, "spec", None)
+        if spec is not None:
+            same = jax.tree.structure(batch) == jax.tree.structure(spec) and all(
+                a.shape[1:] == s.shape[1:] and a.dtype == s.dtype
+                for a, s in zip(leaves, jax.tree.leaves(spec)))
+            if not same:
+                raise ValueError(f"fit: batch {index} of {self.name} has shapes/dtypes "
+                                 f"{[(a.shape, str(a.dtype)) for a in leaves]}, unlike the first "
+                                 f"batch's {[(s.shape, str(s.dtype)) for s in jax.tree.leaves(spec)]}; "
+                                 f"only the batch size may change.")
+        return batch
+
+    def epoch(self, epoch, skip=0, data_state=None):
+        """Yields `(batch, data_state)` for one epoch, skipping the first `skip` batches (already
+        trained on before a resume) without converting or placing them."""
+        if self.arrays:
+            n = len(self.x)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            for i in range(skip, self.length):
+                idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+                if self.shuffle:
+                    idx = np.sort(idx)  # contiguous reads are faster; the set is what is random
+                yield (self.x[idx], self.y[idx]), None
+            return
+        if self.stream:
+            # A resumed stream restarts at its beginning: drop what earlier epochs and this one
+            # already consumed (exact when the stream is deterministic).
+            drop = skip + (epoch * self.steps_per_epoch if self.steps_per_epoch else 0)
+            iterator = itertools.islice(self.ds, drop if self.fresh else skip, None)
+            if self.steps_per_epoch:
+                iterator = itertools.islice(iterator, self.steps_per_epoch - skip)
+            self.fresh = False
+            for i, raw in enumerate(iterator, skip):
+                yield self._convert(raw, i), None
+            return
+        if hasattr(self.ds, "set_epoch"):
+            self.ds.set_epoch(epoch)
+        iterator = iter(self.ds)
+        resumable = hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
+        if resumable and data_state is not None:
+            iterator.set_state(data_state)
+        else:
+            iterator = itertools.islice(iterator, skip, None)
+        limit = (self.steps_per_epoch - skip) if self.steps_per_epoch else None
+        for i in itertools.count(skip):
+            if limit is not None and i - skip >= limit:
+                return
+            # The iterator's state is taken before the batch is fetched: it is the position to
+            # restore if this batch was not yet trained on when a checkpoint is written.
+            position = _jsonable(iterator.get_state()) if resumable else None
+            try:
+                raw = next(iterator)
+            except StopIteration:
+                return
+            yield self._convert(raw, i), position
+
+
+def _prefetch(batches, put, size=2):
+    """Places the next `size` batches on device while the current step runs (transfers are
+    asynchronous, so this overlaps them with compute)."""
+    queue = collections.deque()
+    for batch, data_state in batches:
+        queue.append((put(batch), data_state))
+        if len(queue) > size:
+            yield queue.popleft()
+    while queue:
+        yield queue.popleft()
+
+
+def _put(mesh, replicated, batch):
+    """Shards a host batch along its leading axis over the mesh. A batch that does not split
+    evenly (a small last batch) is placed whole on every device instead: each device computes the
+    same full batch, so results stay exact at the cost of redundant work on that one batch."""
+    n = jax.tree.leaves(batch)[0].shape[0]
+    sharding = NamedSharding(mesh, P("data")) if n % mesh.size == 0 else replicated
+    if jax.process_count() > 1:
+        return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), batch)
+    return jax.device_put(batch, sharding)
+
+
+def _evaluate(eval_fn, state, test, put):
+    """Metrics over the whole eval set: sums weighted by batch size, fetched once at the end."""
+    acc = None
+    for batch, _ in _prefetch(test.epoch(0), put):
+        acc = eval_fn(state, acc, batch)
+    acc = jax.device_get(acc)
+    return {k: float(v) / float(acc["n"]) for k, v in acc["sum"].items()}
+
+
+def _prepare_state(state, seed, sharding):
+    """A private, placed copy of the caller's state with stable dtypes.
+
+    The copy keeps the caller's arrays alive although the step donates its input. Every leaf gets
+    a strong dtype (`TrainState.create` makes a weakly-typed int step, orbax restores a strong
+    one), so a fresh and a restored state hit the same compilation.
+    """
+    if not isinstance(state, TrainState):
+        state = TrainState(step=state.step, apply_fn=state.apply_fn, params=state.params,
+                           tx=state.tx, opt_state=state.opt_state,
+                           batch_stats=getattr(state, "batch_stats", {}) or {},
+                           rng=getattr(state, "rng", None))
+    rng = jax.random.key(seed) if state.rng is None else state.rng
+    rng = jnp.asarray(jax.random.key_data(rng) if _is_key(rng) else rng, jnp.uint32)
+    state = state.replace(rng=rng, batch_stats=state.batch_stats or {})
+    state = jax.tree.map(lambda x: jnp.asarray(x, dtype=jnp.asarray(x).dtype), state)
+    return jax.device_put(state, sharding, may_alias=False)
+
+
+def _is_key(x):
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _lr_getter(state, lr_fn):
+    """Finds how to read the learning rate of a step inside the jitted step, if it can be known."""
+    if lr_fn is not None:
+        return lambda s: lr_fn(s.step)
+    found = []
+
+    def visit(node, path):
+        hp = getattr(node, "hyperparams", None)
+        if isinstance(hp, dict):
+            for key in ("learning_rate", "lr"):
+                if key in hp:
+                    found.append(path + ((key,),))
+                    return
+        if isinstance(node, (tuple, list)):
+            for i, child in enumerate(node):
+                visit(child, path + (i,))
+    visit(state.opt_state, ())
+    if not found:
+        return None
+    path = found[0]
+
+    def get(s):
+        node = s.opt_state
+        for part in path:
+            node = node.hyperparams[part[0]] if isinstance(part, tuple) else node[part]
+        return node
+    return get
+
+
+def _pick_monitor(monitor, mode, train_names, eval_names):
+    names = [f"train/{n}" for n in train_names] + [f"eval/{n}" for n in eval_names]
+    if monitor is None:
+        monitor = ("eval/accuracy" if "accuracy" in eval_names else
+                   f"eval/{eval_names[0]}" if eval_names else "train/loss")
+    if monitor not in names:
+        raise ValueError(f"fit: monitor={monitor!r} is not a metric of this run; it has {names}.")
+    if mode == "auto":
+        lower_better = re.search(r"loss|err|perplexity|mse|mae|nll", monitor.lower())
+        mode = "min" if lower_better else "max"
+    return monitor, mode
+
+
+def _check_positive_int(name, value, where="fit"):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}.")
+
+
+def _check_writable(workdir):
+    probe = workdir
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK):
+        raise PermissionError(f"fit: workdir {workdir!r} is not writable ({probe!r} is not); pass "
+                              f"workdir= a directory you can write to.")
+
+
+def _pick_run(workdir, log_name, resume):
+    """Run names are `<log_name>_<n>`. A fresh run takes the next free n, so it never touches an
+    earlier run's files; `resume=True` takes the highest existing n, if any."""
+    taken = set()
+    for sub in ("logs", "checkpoints"):
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.listdir(os.path.join(workdir, sub)):
+                m = re.fullmatch(re.escape(log_name) + r"_(\d+)", entry)
+                if m:
+                    taken.add(int(m.group(1)))
+    if resume and taken:
+        last = f"{log_name}_{max(taken)}"
+        with contextlib.suppress(FileNotFoundError):
+            if any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints", last))):
+                return last, True
+    n = max(taken, default=0) + 1
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
+    for sub in ("logs", "checkpoints"):
+        os.makedirs(os.path.join(workdir, sub, f"{log_name}_{n}"), exist_ok=True)
+    return f"{log_name}_{n}", False
+
+
+def _manager(ckpt_dir, monitor, mode, max_to_keep):
+    """Keeps exactly the latest checkpoint and the `max_to_keep` best by `monitor`.
+
+    `best_fn` with `max_to_keep` alone would delete the latest step, and saves without metrics
+    (mid-epoch ones) would be kept forever; two preservation policies do it right."""
+    metric = lambda m: m[monitor]
+    policy = ocp.checkpoint_managers.AnyPreservationPolicy([
+        ocp.checkpoint_managers.LatestN(1),
+        ocp.checkpoint_managers.BestN(get_metric_fn=metric, reverse=mode == "min", n=max_to_keep,
+                                      keep_checkpoints_without_metrics=False)])
+    options = ocp.CheckpointManagerOptions(preservation_policy=policy, cleanup_tmp_directories=True)
+    return ocp.CheckpointManager(ckpt_dir, item_names=("state", "meta"), options=options)
+
+
+def _fresh_meta():
+    return {"epoch": 0, "batch": 0, "data_state": None, "best": None, "best_step": None, "skipped": 0,
+            "history": {"epoch": [], "step": []}, "log": {"sum": {}, "n": 0},
+            "epoch_sum": {"sum": {}, "n": 0}}
+
+
+def _save(mgr, step, state, meta, logger, metrics):
+    """Writes a checkpoint (asynchronously; only the device-to-host copy blocks)."""
+    meta = dict(meta, history=dict(logger.history), log=logger.interval, epoch_sum=logger.epoch_acc)
+    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                           meta=ocp.args.JsonSave(_jsonable(meta))),
+             metrics=metrics)
+
+
+def _restore(mgr, step, state):
+    """Restores `(state, meta)` of `step` into `state`'s structure, shapes and shardings."""
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    try:
+        out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                        meta=ocp.args.JsonRestore()))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"fit: the checkpoint at step {step} in {mgr.directory} does not fit "
+                         f"this state (another model or optimizer?): {e}\nUse the same model and "
+                         f"optimizer as the run that wrote it, or start a fresh run "
+                         f"(resume=False or another log_name).") from e
+    restored = jax.tree.map(lambda r, s: jnp.asarray(r, s.dtype), out["state"], state)
+    return restored, out["meta"]
+
+
+def _jsonable(tree):
+    return json.loads(json.dumps(tree, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def _tx_name(tx):
+    return getattr(tx, "__qualname__", None) or type(tx).__name__
+
+
+def _hparam_value(v):
+    return v if isinstance(v, (bool, int, float, str)) else str(v)
+
+
+def _hparam_metrics(train_names, eval_names, monitor):
+    tags = [f"train/{n}" for n in train_names] + [f"eval/{n}" for n in eval_names]
+    return tags + [f"best/{monitor}"]
+
+
+def _say(lead, message):
+    if lead:
+        tqdm.write(message)
+
+
+class _StopOnSignal:
+    """Turns the first SIGINT/SIGTERM into a request to stop after the current step (a second
+    SIGINT interrupts at once). Installs nothing off the main thread or after
+    `jax.distributed.initialize`, where JAX's preemption notifier owns SIGTERM."""
+
+    def __init__(self):
+        self.reason, self.previous = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if sig == signal.SIGTERM and jax.process_count() > 1:
+                continue
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, sig, frame):
+        if self.reason and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(sig).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class _Logger:
+    """The host side of metrics: the progress bar, TensorBoard and the history.
+
+    Train metrics arrive as on-device sums; `stash` keeps a reference at a log point and `poll`
+    reads it one step later, when the device has finished it, so the host never waits. The
+    running sums (`interval`, `epoch_acc`) live in the checkpoint's meta, so a resumed run logs
+    exactly what an uninterrupted one would."""
+
+    def __init__(self, writer, history, meta, lead, total, step, batch_size, on_nonfinite):
+        self.writer, self.history, self.lead, self.batch_size = writer, history, lead, batch_size
+        self.meta, self.interval, self.epoch_acc = meta, meta["log"], meta["epoch_sum"]
+        self.skipping = on_nonfinite == "skip"
+        self.pending, self.lr, self.first_step, self.compile_s = None, 0.0, step, None
+        self.bar = tqdm(total=total, initial=step, disable=not lead, unit="step", dynamic_ncols=True)
+        self.t_rate = None
+
+    def compile_started(self):
+        self.bar.set_description("compiling")
+        self.t_compile = time.perf_counter()
+
+    def start_epoch(self, epoch, num_epochs):
+        self.epoch_name = f"epoch {epoch + 1}/{num_epochs}"
+        self.bar.set_description(self.epoch_name)
+
+    def compiled(self):
+        self.compile_s = time.perf_counter() - self.t_compile
+        self.bar.set_description(self.epoch_name)
+        self.t_rate, self.step_rate = time.perf_counter(), self.first_step + 1
+        self.bar.update(1)
+
+    def stash(self, acc, acc0, step):
+        self.poll()
+        self.pending = (acc, step)
+        return acc0
+
+    def poll(self):
+        if self.pending is not None:
+            acc, step = self.pending
+            self.pending = None
+            self._add(jax.device_get(acc), step)
+            self._log_interval(step)
+
+    def flush(self, acc, acc0, step):
+        """Reads everything accumulated so far: a sync point, used at epoch ends and saves (where
+        it is also the check that no non-finite state gets written)."""
+        self.poll()
+        self._add(jax.device_get(acc), step)
+        return acc0
+
+    def _add(self, acc, step):
+        if acc["bad"] and not self.skipping:
+            raise FloatingPointError(
+                f"fit: a non-finite loss, metric or parameter appeared at step "
+                f"{int(acc['first_bad'])} (found at step {step}); nothing after it was saved. Lower "
+                f"the learning rate, check the data, or pass on_nonfinite='skip' to drop such updates.")
+        for target in (self.interval, self.epoch_acc):
+            for k, v in acc["sum"].items():
+                target["sum"][k] = target["sum"].get(k, 0.0) + float(v)
+            target["n"] += int(acc["n"])
+        self.interval["skipped"] = self.interval.get("skipped", 0) + int(acc["bad"])
+        self.meta["skipped"] = self.meta.get("skipped", 0) + int(acc["bad"])
+        self.lr = float(acc["lr"])
+
+    def _log_interval(self, step):
+        n = self.interval["n"]
+        if not n and not self.interval.get("skipped"):
+            return
+        means = {k: v / max(n, 1) for k, v in self.interval["sum"].items()}
+        if self.writer is not None:
+            for k, v in means.items():
+                self.writer.add_scalar(f"train/{k}", v, step)
+            self.writer.add_scalar("train/lr", self.lr, step)
+            if self.skipping:
+                self.writer.add_scalar("train/skipped_steps", self.meta["skipped"], step)
+        postfix = {k: f"{v:.4g}" for k, v in means.items()}
+        postfix["lr"] = f"{self.lr:.3g}"
+        if self.t_rate is not None and step > self.step_rate:
+            rate = (step - self.step_rate) * self.batch_size / (time.perf_counter() - self.t_rate)
+            postfix["ex/s"] = f"{rate:.0f}"
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(step - self.bar.n)
+        self.interval.update(sum={}, n=0, skipped=0)
+
+    def end_epoch(self, epoch, step):
+        self._log_interval(step)
+        n = max(self.epoch_acc["n"], 1)
+        self.history["epoch"].append(epoch + 1)
+        self.history["step"].append(step)
+        for k, v in self.epoch_acc["sum"].items():
+            self.history.setdefault(f"train/{k}", []).append(v / n)
+        if self.skipping:
+            self.history.setdefault("train/skipped_steps", []).append(self.meta["skipped"])
+        self.epoch_acc.update(sum={}, n=0)
+
+    def log_eval(self, epoch, step, results):
+        for k, v in results.items():
+            self.history.setdefault(f"eval/{k}", []).append(v)
+        self.history.setdefault("eval/epoch", []).append(epoch)
+        self.history.setdefault("eval/step", []).append(step)
+        if self.writer is not None:
+            for k, v in results.items():
+                self.writer.add_scalar(f"eval/{k}", v, step)
+        _say(self.lead, f"epoch {epoch}: " + ", ".join(f"eval/{k}={v:.4f}" for k, v in results.items()))
+
+    def track_best(self, monitor, mode, value, step):
+        best = self.meta["best"]
+        if best is None or (value > best if mode == "max" else value < best):
+            self.meta.update(best=value, best_step=step)
+        if self.writer is not None:
+            self.writer.add_scalar(f"best/{monitor}", self.meta["best"], step)
+
+    def close(self):
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
