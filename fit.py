@@ -108,7 +108,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         eval_freq=1, log_every=50, log_name="run", workdir=None, hparams=None, seed=0,
         resume=False, monitor=None, mode="auto", max_to_keep=1, lr_fn=None, batch_size=None,
         train_step=None, batch_keys=None, ckpt_every=None, steps_per_epoch=None,
-        on_nonfinite="raise"):
+        on_nonfinite="raise", mesh=None):
     """Trains `state` on `train_ds` for `num_epochs` and returns `(state, history)`.
 
     Every argument is documented in README.md ("API reference"). In short: `eval_freq` epochs
@@ -138,18 +138,23 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         raise ValueError(f"fit: state must be a TrainState with an optimizer (tx), got "
                          f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build it "
                          f"with TrainState.create(apply_fn=..., params=..., tx=optax.adam(...)).")
-    mesh = Mesh(np.array(jax.devices()), ("data",))
+    if mesh is None:
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+    elif "data" not in mesh.axis_names:
+        raise ValueError(f"fit: mesh must have a 'data' axis to shard batches over, got axes "
+                         f"{mesh.axis_names}.")
     replicated = NamedSharding(mesh, P())
+    n_data = mesh.shape["data"]
     custom = train_step is not None
     train = _Data(train_ds, "train_ds", batch_size, True, seed, batch_keys, custom, steps_per_epoch)
     test = None if test_ds is None else _Data(test_ds, "test_ds", batch_size, False, seed,
                                               batch_keys, eval_step is not None, None)
-    if train.sharded_size % mesh.size:
+    if train.sharded_size % n_data:
         n = train.sharded_size
         raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
-                         f"devices ({mesh.size}) so every device gets an equal share; use a "
-                         f"batch size of {n - n % mesh.size or mesh.size} or "
-                         f"{n + mesh.size - n % mesh.size}.")
+                         f"devices ({n_data}) so every device gets an equal share; use a batch "
+                         f"size of {n - n % n_data or n_data} or {n + n_data - n % n_data}. (Only "
+                         f"a smaller last batch may split unevenly: it is run whole on every device.)")
     state = _prepare_state(state, seed, replicated)
     lr_of = _lr_getter(state, lr_fn)
     step_fn = train_step or _default_train_step(loss_fn)
@@ -555,7 +560,7 @@ def _put(mesh, replicated, batch):
     evenly (a small last batch) is placed whole on every device instead: each device computes the
     same full batch, so results stay exact at the cost of redundant work on that one batch."""
     n = jax.tree.leaves(batch)[0].shape[0]
-    sharding = NamedSharding(mesh, P("data")) if n % mesh.size == 0 else replicated
+    sharding = NamedSharding(mesh, P("data")) if n % mesh.shape["data"] == 0 else replicated
     if jax.process_count() > 1:
         return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), batch)
     return jax.device_put(batch, sharding)
@@ -585,8 +590,10 @@ def _prepare_state(state, seed, sharding):
     rng = jax.random.key(seed) if state.rng is None else state.rng
     rng = jnp.asarray(jax.random.key_data(rng) if _is_key(rng) else rng, jnp.uint32)
     state = state.replace(rng=rng, batch_stats=state.batch_stats or {})
-    state = jax.tree.map(lambda x: jnp.asarray(x, dtype=jnp.asarray(x).dtype), state)
-    return jax.device_put(state, sharding, may_alias=False)
+    # An explicit copy: device_put(..., may_alias=False) onto several devices still reuses the
+    # caller's buffer as the first device's shard (jax 0.10), which donation would then delete.
+    state = jax.tree.map(lambda x: jnp.array(x, dtype=jnp.asarray(x).dtype, copy=True), state)
+    return jax.device_put(state, sharding)
 
 
 def _is_key(x):
