@@ -1,0 +1,87 @@
+"""Shared test fixtures. Every test process sees 8 simulated CPU devices (set before jax is
+imported); tests that need one device pass `mesh=one_device_mesh`."""
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+from fit import TrainState  # noqa: E402
+
+
+class CNN(nn.Module):
+    """A small CNN with BatchNorm and Dropout, sized for 8x8 digits."""
+
+    @nn.compact
+    def __call__(self, x, train):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.relu(x)
+        x = nn.avg_pool(x, (2, 2), (2, 2)).reshape(x.shape[0], -1)
+        x = nn.Dropout(0.2, deterministic=not train)(x)
+        return nn.Dense(10)(x)
+
+
+class MLP(nn.Module):
+    """No BatchNorm, no Dropout: batch_stats stays empty."""
+
+    @nn.compact
+    def __call__(self, x, train):
+        x = x.reshape(x.shape[0], -1)
+        return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
+
+
+@pytest.fixture(scope="session")
+def digits():
+    """scikit-learn's bundled 8x8 digits as (x_train, y_train, x_test, y_test); 1440 / 357."""
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = (d.images[..., None] / 16.0).astype(np.float32)
+    y = d.target.astype(np.int32)
+    return x[:1440], y[:1440], x[1440:], y[1440:]
+
+
+def make_state(model=None, tx=None, seed=0):
+    model = model or CNN()
+    var = model.init(jax.random.key(seed), np.zeros((1, 8, 8, 1), np.float32), train=False)
+    return TrainState.create(apply_fn=model.apply, params=var["params"],
+                             batch_stats=var.get("batch_stats", {}),
+                             tx=tx or optax.adam(1e-3))
+
+
+def loss_fn(logits, labels):
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == labels).mean()}
+
+
+def eval_step(state, batch):
+    x, y = batch
+    variables = {"params": state.params}
+    if state.batch_stats:
+        variables["batch_stats"] = state.batch_stats
+    logits = state.apply_fn(variables, x, train=False)
+    return (logits.argmax(-1) == y).mean()
+
+
+def flat(tree):
+    """All leaves of a tree as one float64 numpy vector, for comparisons."""
+    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(jax.device_get(tree))])
+
+
+@pytest.fixture
+def one_device_mesh():
+    return Mesh(np.array(jax.devices()[:1]), ("data",))
+
+
+@pytest.fixture
+def eight_device_mesh():
+    assert len(jax.devices()) == 8, "conftest sets 8 simulated devices before jax is imported"
+    return Mesh(np.array(jax.devices()), ("data",))
