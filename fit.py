@@ -163,13 +163,13 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     acc0 = jax.device_put(_zeros(jax.eval_shape(train_fn, state, None, train.spec)[1]),
                           replicated)
     train_names = list(acc0["sum"])
-    eval_fn = None
-    eval_names = []
+    evaluate, eval_names = None, []
     if test is not None:
-        eval_fn = jax.jit(functools.partial(_eval_and_accumulate, eval_step or
-                                            _default_eval_step(loss_fn)), out_shardings=replicated)
-        eval_names = list(jax.eval_shape(lambda s, b: _eval_and_accumulate(
-            eval_step or _default_eval_step(loss_fn), s, None, b), state, test.spec)["sum"])
+        eval_fn = jax.jit(functools.partial(_eval_and_accumulate, eval_step or _default_eval_step(loss_fn)),
+                          out_shardings=replicated)
+        eval0 = jax.device_put(_zeros(jax.eval_shape(eval_fn, state, None, test.spec)), replicated)
+        eval_names = list(eval0["sum"])
+        evaluate = functools.partial(_evaluate, eval_fn, eval0, test)
     monitor, mode = _pick_monitor(monitor, mode, train_names, eval_names)
     spe = steps_per_epoch or train.length
     total = spe * num_epochs if spe else None
@@ -184,7 +184,11 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     mgr = _manager(ckpt_dir, monitor, mode, max_to_keep)
     meta = _fresh_meta()
     if restored:
-        state, meta = _restore(mgr, mgr.latest_step(), state)
+        try:
+            state, meta = _restore(mgr, mgr.latest_step(), state)
+        except BaseException:
+            mgr.close()
+            raise
     history = History(meta["history"])
     history.run, history.log_dir, history.ckpt_dir = run, log_dir, ckpt_dir
     step = int(jax.device_get(state.step))
@@ -218,7 +222,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         with stop:
             acc, inflight, data_state = acc0, collections.deque(), None
             while epoch < num_epochs and not stop.reason:
-                trained = 0
+                trained, mid_epoch_stop = 0, False
                 logger.start_epoch(epoch, num_epochs)
                 for batch, data_state in _prefetch(train.epoch(epoch, done, meta["data_state"]), put):
                     # Checkpoints and stops happen before the next batch is trained, so the saved
@@ -229,7 +233,8 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
                         _save(mgr, step, state, meta, logger, None)
                         saved_step = step
                     if stop.reason:
-                        break
+                        mid_epoch_stop = True  # this batch stays untrained: `done` and
+                        break                  # `data_state` point at it for the resume
                     first = step == logger.first_step
                     if first:
                         logger.compile_started()
@@ -245,8 +250,8 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
                     inflight.append(acc["n"])
                     if len(inflight) > 2:
                         inflight.popleft().block_until_ready()
-                if stop.reason:
-                    break
+                if mid_epoch_stop:
+                    break  # (a stop asked for during the epoch's last step lets the epoch end run)
                 if trained == 0 and done == 0:
                     raise ValueError(f"fit: train_ds yielded no batches in epoch {epoch + 1}; a "
                                      f"generator can be iterated only once: pass a list or a "
@@ -254,8 +259,8 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
                 acc = logger.flush(acc, acc0, step)
                 logger.end_epoch(epoch, step)
                 value = None
-                if eval_fn is not None and ((epoch + 1) % eval_freq == 0 or epoch + 1 == num_epochs):
-                    results = _evaluate(eval_fn, state, test, put)
+                if evaluate and ((epoch + 1) % eval_freq == 0 or epoch + 1 == num_epochs):
+                    results = evaluate(state, put)
                     logger.log_eval(epoch + 1, step, results)
                     value = results.get(monitor[len("eval/"):])
                 if monitor.startswith("train/"):
@@ -270,8 +275,8 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
             if stop.reason:
                 acc = logger.flush(acc, acc0, step)
                 history.setdefault("stopped", []).append(f"{stop.reason} at step {step}")
-                meta.update(epoch=epoch, batch=done, data_state=data_state if done else None)
-                if step != saved_step:
+                if step != saved_step:  # stopped mid-epoch (else the epoch end just saved)
+                    meta.update(epoch=epoch, batch=done, data_state=data_state)
                     _save(mgr, step, state, meta, logger, None)
                 _say(lead, f"fit: stopped by {stop.reason} at step {step}; checkpoint saved, "
                            f"continue with resume=True.")
@@ -566,12 +571,14 @@ def _put(mesh, replicated, batch):
     return jax.device_put(batch, sharding)
 
 
-def _evaluate(eval_fn, state, test, put):
+def _evaluate(eval_fn, acc, test, state, put):
     """Metrics over the whole eval set: sums weighted by batch size, fetched once at the end."""
-    acc = None
     for batch, _ in _prefetch(test.epoch(0), put):
         acc = eval_fn(state, acc, batch)
     acc = jax.device_get(acc)
+    if not acc["n"]:
+        raise ValueError("fit: test_ds yielded no batches; a generator can be iterated only once: "
+                         "pass a list or a re-iterable loader.")
     return {k: float(v) / float(acc["n"]) for k, v in acc["sum"].items()}
 
 
