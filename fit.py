@@ -133,6 +133,14 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         raise ValueError(f"fit: on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
     if train_step is None and loss_fn is None:
         raise ValueError("fit: pass loss_fn(outputs, targets) (or your own train_step).")
+    for name, value in (("loss_fn", loss_fn), ("eval_step", eval_step), ("train_step", train_step),
+                        ("lr_fn", lr_fn)):
+        if value is not None and not callable(value):
+            raise TypeError(f"fit: {name} must be a function, got {type(value).__name__}.")
+    if hparams is not None and not isinstance(hparams, dict):
+        raise TypeError(f"fit: hparams must be a dict of name -> value, got {type(hparams).__name__}.")
+    if batch_keys is not None and not (isinstance(batch_keys, (tuple, list)) and len(batch_keys) == 2):
+        raise ValueError(f"fit: batch_keys must be a pair (inputs_key, targets_key), got {batch_keys!r}.")
     if not isinstance(log_name, str) or not re.fullmatch(r"[\w.-]+", log_name):
         raise ValueError(f"fit: log_name must be a non-empty name of letters, digits, '_', '-' "
                          f"or '.', got {log_name!r}.")
@@ -245,7 +253,9 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
                         with logger.timed("save"):
                             _save(mgr, step, state, meta, logger, None)
                         saved_step = ckpt_step = step
-                    if stop.reason:
+                    if jax.process_count() > 1 and mgr.reached_preemption(step):
+                        stop.reason = "preemption"  # JAX's notifier got SIGTERM: all processes
+                    if stop.reason:                 # agree to stop at this same step
                         mid_epoch_stop = True  # this batch stays untrained: `done` and
                         break                  # `data_state` point at it for the resume
                     shape = (k, jax.tree.leaves(batch)[0].shape)
@@ -301,7 +311,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         mgr.close()
         logger.close()
         history.timing = logger.timing(step)
-    if stop.reason == "SIGTERM":
+    if stop.reason in ("SIGTERM", "preemption"):
         raise SystemExit(128 + signal.SIGTERM)  # 143: what schedulers expect after SIGTERM
     return state, history
 
@@ -313,8 +323,7 @@ def load_ckpt(state, ckpt_dir, step=None):
     ckpt_dir = os.path.abspath(ckpt_dir)
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"load_ckpt: no checkpoint directory at {ckpt_dir}.")
-    mgr = ocp.CheckpointManager(ckpt_dir, item_names=("state", "meta"),
-                                options=ocp.CheckpointManagerOptions(create=False))
+    mgr = _open(ckpt_dir, ocp.CheckpointManagerOptions(create=False))
     try:
         steps = mgr.all_steps()
         if not steps:
@@ -474,6 +483,10 @@ class _Data:
             except StopIteration:
                 raise ValueError(f"fit: {name} is empty: it yielded no batches.") from None
             first = self._convert(raw, 0)
+            if isinstance(ds, (list, tuple)):  # in memory already: check every batch up front
+                self.spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), first)
+                for i, raw in enumerate(ds[1:], 1):
+                    self._convert(raw, i)
             if self.stream:
                 self.ds = itertools.chain([raw], iterator)
             else:
@@ -702,11 +715,13 @@ def _check_positive_int(name, value, where="fit"):
 
 
 def _check_writable(workdir):
+    """Fails before any directory is made, on the nearest existing ancestor of `workdir`."""
     probe = workdir
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not os.access(probe, os.W_OK):
-        raise PermissionError(f"fit: workdir {workdir!r} is not writable ({probe!r} is not); pass "
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
+        raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; pass "
                               f"workdir= a directory you can write to.")
 
 
@@ -745,7 +760,12 @@ def _manager(ckpt_dir, monitor, mode, max_to_keep):
         ocp.checkpoint_managers.BestN(get_metric_fn=metric, reverse=mode == "min", n=max_to_keep,
                                       keep_checkpoints_without_metrics=False)])
     options = ocp.CheckpointManagerOptions(preservation_policy=policy, cleanup_tmp_directories=True)
-    return ocp.CheckpointManager(ckpt_dir, item_names=("state", "meta"), options=options)
+    return _open(ckpt_dir, options)
+
+
+def _open(ckpt_dir, options):
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
 
 
 def _fresh_meta():
@@ -765,16 +785,28 @@ def _save(mgr, step, state, meta, logger, metrics):
 def _restore(mgr, step, state):
     """Restores `(state, meta)` of `step` into `state`'s structure, shapes and shardings."""
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    try:
-        out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                        meta=ocp.args.JsonRestore()))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"fit: the checkpoint at step {step} in {mgr.directory} does not fit "
-                         f"this state (another model or optimizer?): {e}\nUse the same model and "
-                         f"optimizer as the run that wrote it, or start a fresh run "
-                         f"(resume=False or another log_name).") from e
+    # Compare first: orbax's own errors do not name the parameter whose shape differs.
+    stored = {_keystr(p): tuple(m.shape) for p, m in
+              jax.tree_util.tree_leaves_with_path(mgr.item_metadata(step)["state"])}
+    wanted = {_keystr(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(target)}
+    problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted.keys()] +
+                [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored.keys()] +
+                [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
+                 for k in stored.keys() & wanted.keys() if stored[k] != wanted[k]])
+    if problems:
+        listed = "\n  ".join(sorted(problems)[:12]) + ("\n  ..." if len(problems) > 12 else "")
+        raise ValueError(f"fit: the checkpoint at step {step} in {mgr.directory} does not fit this "
+                         f"state ({len(problems)} differences, another model or optimizer?):\n  "
+                         f"{listed}\nUse the model and optimizer of the run that wrote it, or start "
+                         f"a fresh run (resume=False or another log_name).")
+    out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                    meta=ocp.args.JsonRestore()))
     restored = jax.tree.map(lambda r, s: jnp.asarray(r, s.dtype), out["state"], state)
     return restored, out["meta"]
+
+
+def _keystr(path):
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def _jsonable(tree):
