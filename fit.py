@@ -48,6 +48,7 @@ import re
 import signal
 import threading
 import time
+import types
 from typing import Any, Callable
 
 import flax
@@ -62,7 +63,7 @@ from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as _hparams_summaries
 from tqdm.auto import tqdm
 
-__all__ = ["TrainState", "lr_schedule", "fit", "load_ckpt", "History"]
+__all__ = ["TrainState", "lr_schedule", "fit", "load_ckpt", "History", "EarlyStopping", "Profiler"]
 
 
 class TrainState(train_state.TrainState):
@@ -99,7 +100,7 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
 
 class History(dict):
     """`fit`'s history: a dict of lists (`epoch`, `step`, `train/<metric>` per epoch;
-    `eval/epoch`, `eval/step`, `eval/<metric>` per eval; `stopped`: why the run stopped early),
+    `eval/epoch`, `eval/step`, `eval/<metric>` per eval; `stopped`: why a run stopped early),
     plus attributes: the run's directories `run`, `log_dir`, `ckpt_dir`, and `timing` (seconds
     spent compiling, evaluating and blocked in saves, and the steady train rate without them)."""
     run = log_dir = ckpt_dir = timing = None
@@ -108,79 +109,31 @@ class History(dict):
 def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epochs=1,
         eval_freq=1, log_every=50, log_name="run", workdir=None, hparams=None, seed=0,
         resume=False, monitor=None, mode="auto", max_to_keep=1, lr_fn=None, batch_size=None,
-        train_step=None, batch_keys=None, ckpt_every=None, steps_per_epoch=None,
-        on_nonfinite="raise", mesh=None, steps_per_jit=1):
-    """Trains `state` on `train_ds` for `num_epochs` and returns `(state, history)`.
-
-    Every argument is documented in README.md ("API reference"). In short: `eval_freq` epochs
-    between evals, `log_every` steps between train logs, `ckpt_every` steps between extra
-    checkpoints (besides every epoch end), `monitor`/`mode` pick the best checkpoint, of which
-    `max_to_keep` are kept besides the last. `on_nonfinite="raise"` stops with FloatingPointError
-    on a NaN/Inf loss or parameter; `"skip"` drops such updates on device and counts them.
-    """
-    # 1. Validate everything that can be checked before touching the disk or compiling.
-    for name, value in (("num_epochs", num_epochs), ("eval_freq", eval_freq),
-                        ("log_every", log_every), ("max_to_keep", max_to_keep),
-                        ("steps_per_jit", steps_per_jit)):
-        _check_positive_int(name, value)
-    for name, value in (("ckpt_every", ckpt_every), ("steps_per_epoch", steps_per_epoch),
-                        ("batch_size", batch_size)):
-        if value is not None:
-            _check_positive_int(name, value)
-    if mode not in ("auto", "min", "max"):
-        raise ValueError(f"fit: mode must be 'auto', 'min' or 'max', got {mode!r}.")
-    if on_nonfinite not in ("raise", "skip"):
-        raise ValueError(f"fit: on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
-    if train_step is None and loss_fn is None:
-        raise ValueError("fit: pass loss_fn(outputs, targets) (or your own train_step).")
-    for name, value in (("loss_fn", loss_fn), ("eval_step", eval_step), ("train_step", train_step),
-                        ("lr_fn", lr_fn)):
-        if value is not None and not callable(value):
-            raise TypeError(f"fit: {name} must be a function, got {type(value).__name__}.")
-    if hparams is not None and not isinstance(hparams, dict):
-        raise TypeError(f"fit: hparams must be a dict of name -> value, got {type(hparams).__name__}.")
-    if batch_keys is not None and not (isinstance(batch_keys, (tuple, list)) and len(batch_keys) == 2):
-        raise ValueError(f"fit: batch_keys must be a pair (inputs_key, targets_key), got {batch_keys!r}.")
-    if not isinstance(log_name, str) or not re.fullmatch(r"[\w.-]+", log_name):
-        raise ValueError(f"fit: log_name must be a non-empty name of letters, digits, '_', '-' "
-                         f"or '.', got {log_name!r}.")
-    if getattr(state, "tx", None) is None or not hasattr(state, "apply_gradients"):
-        raise ValueError(f"fit: state must be a TrainState with an optimizer (tx), got "
-                         f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build it "
-                         f"with TrainState.create(apply_fn=..., params=..., tx=optax.adam(...)).")
-    if mesh is None:
-        mesh = Mesh(np.array(jax.devices()), ("data",))
-    elif "data" not in mesh.axis_names:
-        raise ValueError(f"fit: mesh must have a 'data' axis to shard batches over, got axes "
-                         f"{mesh.axis_names}.")
+        train_step=None, batch_keys=None, ckpt_every=None, max_steps=None, steps_per_epoch=None,
+        eval_every=None, eval_steps=None, steps_per_jit=1, hooks=(), on_nonfinite="raise",
+        mesh=None):
+    """Trains `state` on `train_ds` and returns `(state, history)`. README.md documents every
+    argument; the defaults are the signature's."""
+    # 1. Check everything that can be checked before touching the disk or compiling.
+    _check_options(locals())
+    mesh = mesh or Mesh(np.array(jax.devices()), ("data",))
     replicated = NamedSharding(mesh, P())
-    n_data = mesh.shape["data"]
     custom = train_step is not None
     train = _Data(train_ds, "train_ds", batch_size, True, seed, batch_keys, custom, steps_per_epoch)
-    test = None if test_ds is None else _Data(test_ds, "test_ds", batch_size, False, seed,
-                                              batch_keys, eval_step is not None, None)
-    if batch_size is not None and not (train.arrays or (test is not None and test.arrays)):
-        raise ValueError(f"fit: batch_size={batch_size} is only for array data (x, y), but train_ds "
-                         f"and test_ds yield their own batches; drop batch_size.")
-    if train.sharded_size % n_data:
-        n = train.sharded_size
-        raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
-                         f"devices ({n_data}) so every device gets an equal share; use a batch "
-                         f"size of {n - n % n_data or n_data} or {n + n_data - n % n_data}. (Only "
-                         f"a smaller last batch may split unevenly: it is run whole on every device.)")
+    test = test_ds if test_ds is None else _Data(test_ds, "test_ds", batch_size, False, seed,
+                                                 batch_keys, eval_step is not None, eval_steps)
+    _check_batching(train, test, batch_size, mesh)
     state = _prepare_state(state, seed, replicated)
     lr_of = _lr_getter(state, lr_fn)
-    step_fn = train_step or _default_train_step(loss_fn)
-    one_step = functools.partial(_train_and_accumulate, step_fn, lr_of, on_nonfinite)
+    one_step = functools.partial(_train_and_accumulate, train_step or _default_train_step(loss_fn),
+                                 lr_of, on_nonfinite)
     train_fn = jax.jit(one_step, donate_argnums=0, out_shardings=replicated)
     # k steps per call: a scan over a stacked group of k batches. XLA's CPU backend runs a rolled
     # scan of convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster.
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one_step(*carry, b), None), (state, acc), batches,
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=replicated)
-    acc0 = jax.device_put(_zeros(jax.eval_shape(train_fn, state, None, train.spec)[1]),
-                          replicated)
-    train_names = list(acc0["sum"])
+    acc0 = jax.device_put(_zeros(jax.eval_shape(train_fn, state, None, train.spec)[1]), replicated)
     evaluate, eval_names = None, []
     if test is not None:
         eval_fn = jax.jit(functools.partial(_eval_and_accumulate, eval_step or _default_eval_step(loss_fn)),
@@ -188,138 +141,67 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         eval0 = jax.device_put(_zeros(jax.eval_shape(eval_fn, state, None, test.spec)), replicated)
         eval_names = list(eval0["sum"])
         evaluate = functools.partial(_evaluate, eval_fn, eval0, test)
-    monitor, mode = _pick_monitor(monitor, mode, train_names, eval_names)
+    monitor, mode = _pick_monitor(monitor, mode, list(acc0["sum"]), eval_names)
     spe = steps_per_epoch or train.length
-    total = spe * num_epochs if spe else None
+    total = min([n for n in (spe and spe * num_epochs, max_steps) if n], default=None)
 
-    # 2. The run: its directories, the checkpoint manager, and (on resume) its last state.
+    # 2. The run: its directories, checkpoints and logs. A resumed run restores its last state.
     workdir = os.path.abspath(workdir or os.getcwd())
     _check_writable(workdir)
     run, restored = _pick_run(workdir, log_name, resume)
-    log_dir = os.path.join(workdir, "logs", run)
-    ckpt_dir = os.path.join(workdir, "checkpoints", run)
-    lead = jax.process_index() == 0
-    mgr = _manager(ckpt_dir, monitor, mode, max_to_keep)
-    meta = _fresh_meta()
-    if restored:
-        try:
-            state, meta = _restore(mgr, mgr.latest_step(), state)
-        except BaseException:
-            mgr.close()
-            raise
-    history = History(meta["history"])
-    history.run, history.log_dir, history.ckpt_dir = run, log_dir, ckpt_dir
-    step = int(jax.device_get(state.step))
-    epoch, done = meta["epoch"], meta["batch"]
-    if epoch >= num_epochs:
-        mgr.close()
-        _say(lead, f"fit: run {run} already finished epoch {epoch} of {num_epochs}; nothing to do.")
-        return state, history
-    writer = SummaryWriter(log_dir, purge_step=step if step else None) if lead else None
-    if lead and step == 0:
-        used = {"num_epochs": num_epochs, "batch_size": train.sharded_size, "devices": mesh.size,
-                "seed": seed, "log_every": log_every, "eval_freq": eval_freq,
-                "steps_per_epoch": spe, "optimizer": _tx_name(state.tx), "monitor": monitor,
-                **(hparams or {})}
-        exp, ssi, _ = _hparams_summaries({k: _hparam_value(v) for k, v in used.items()},
-                                         {t: 0.0 for t in _hparam_metrics(train_names, eval_names, monitor)})
-        writer._get_file_writer().add_summary(exp)
-        writer._get_file_writer().add_summary(ssi)
-    _say(lead, f"fit: {'resuming' if step else 'starting'} run {run!r} at step {step} on "
-               f"{mesh.size} device(s); TensorBoard: tensorboard --logdir {os.path.join(workdir, 'logs')}")
+    history = History()
+    history.run, history.log_dir, history.ckpt_dir = (run, os.path.join(workdir, "logs", run),
+                                                      os.path.join(workdir, "checkpoints", run))
+    put = functools.partial(_put, mesh, replicated)
+    loop = _Loop(types.SimpleNamespace(**locals()), _manager(history.ckpt_dir, monitor, mode, max_to_keep))
+    if loop.finished():
+        loop.close()
+        _say(loop.lead, f"fit: run {run} already finished at step {loop.step}; nothing to do.")
+        return loop.state, history
+    used = {"num_epochs": num_epochs, "batch_size": train.batch_size, "devices": mesh.size,
+            "seed": seed, "steps_per_epoch": spe, "max_steps": max_steps,
+            "steps_per_jit": steps_per_jit, "optimizer": _tx_name(state.tx), "monitor": monitor,
+            **(hparams or {})}
+    loop.open_logs(used, eval_names, total)
+    _say(loop.lead, f"fit: {'resuming' if loop.step else 'starting'} run {run!r} at step "
+                    f"{loop.step} on {mesh.size} device(s); TensorBoard: tensorboard --logdir "
+                    f"{os.path.join(workdir, 'logs')}")
     if lr_of is None:
-        _say(lead, "fit: the learning rate is not logged: use optax.inject_hyperparams or pass lr_fn=.")
+        _say(loop.lead, "fit: the learning rate is not logged: use optax.inject_hyperparams or pass lr_fn=.")
 
     # 3. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and fetched at log points from a step that has already finished.
-    logger = _Logger(writer, history, meta, lead, total, step, train.sharded_size, on_nonfinite)
-    stop = _StopOnSignal()
-    saved_step, ckpt_step = (step if restored else None), step
-    put = functools.partial(_put, mesh, replicated)
-    compiled = set()
     try:
-        with stop:
-            acc, inflight, data_state = acc0, collections.deque(), None
-            while epoch < num_epochs and not stop.reason:
-                trained, mid_epoch_stop = 0, False
-                logger.start_epoch(epoch, num_epochs)
-                batches = _grouped(train.epoch(epoch, done, meta["data_state"]), steps_per_jit, step)
+        with loop.signals:
+            loop.hook("train_start")
+            while not loop.finished():
+                loop.logger.start_epoch(loop.epoch, num_epochs)
+                batches = _grouped(train.epoch(loop.epoch, loop.batch, loop.meta["data_state"]),
+                                   steps_per_jit, loop.step, max_steps)
                 for batch, data_state, k in _prefetch(batches, put):
-                    # Checkpoints and stops happen before the next batch is trained, so the saved
-                    # position (`done` batches, the iterator's state) is exactly where to go on.
-                    if ckpt_every and _crossed(ckpt_step, step, ckpt_every):
-                        acc = logger.flush(acc, acc0, step)
-                        meta.update(epoch=epoch, batch=done, data_state=data_state)
-                        with logger.timed("save"):
-                            _save(mgr, step, state, meta, logger, None)
-                        saved_step = ckpt_step = step
-                    if jax.process_count() > 1 and mgr.reached_preemption(step):
-                        stop.reason = "preemption"  # JAX's notifier got SIGTERM: all processes
-                    if stop.reason:                 # agree to stop at this same step
-                        mid_epoch_stop = True  # this batch stays untrained: `done` and
-                        break                  # `data_state` point at it for the resume
-                    shape = (k, jax.tree.leaves(batch)[0].shape)
-                    if shape in compiled:
-                        state, acc = (train_fn if k == 1 else train_k)(state, acc, batch)
-                    else:  # one wait per new shape, so compile time is kept out of the rate
-                        with logger.timed("compile", k):
-                            state, acc = (train_fn if k == 1 else train_k)(state, acc, batch)
-                            jax.block_until_ready(acc)
-                        compiled.add(shape)
-                    step, done, trained = step + k, done + k, trained + k
-                    logger.poll()  # reads the interval stashed at the last log point
-                    if _crossed(step - k, step, log_every):
-                        acc = logger.stash(acc, acc0, step)
-                    # Keep the host at most two calls ahead, so it does not queue up batches.
-                    inflight.append(acc["n"])
-                    if len(inflight) > 2:
-                        inflight.popleft().block_until_ready()
-                if mid_epoch_stop:
-                    break  # (a stop asked for during the epoch's last step lets the epoch end run)
-                if trained == 0 and done == 0:
-                    raise ValueError(f"fit: train_ds yielded no batches in epoch {epoch + 1}; a "
-                                     f"generator can be iterated only once: pass a list or a "
-                                     f"re-iterable loader, or set steps_per_epoch.")
-                acc = logger.flush(acc, acc0, step)
-                logger.end_epoch(epoch, step)
-                value = None
-                if evaluate and ((epoch + 1) % eval_freq == 0 or epoch + 1 == num_epochs):
-                    with logger.timed("eval"):
-                        results = evaluate(state, put)
-                    logger.log_eval(epoch + 1, step, results)
-                    value = results.get(monitor[len("eval/"):])
-                if monitor.startswith("train/"):
-                    value = history[monitor][-1]
-                if value is not None:
-                    logger.track_best(monitor, mode, value, step)
-                epoch, done = epoch + 1, 0
-                meta.update(epoch=epoch, batch=0, data_state=None)
-                if step != saved_step:
-                    with logger.timed("save"):
-                        _save(mgr, step, state, meta, logger, None if value is None else {monitor: value})
-                    saved_step = step
-            if stop.reason:
-                acc = logger.flush(acc, acc0, step)
-                history.setdefault("stopped", []).append(f"{stop.reason} at step {step}")
-                if step != saved_step:  # stopped mid-epoch (else the epoch end just saved)
-                    meta.update(epoch=epoch, batch=done, data_state=data_state)
-                    _save(mgr, step, state, meta, logger, None)
-                _say(lead, f"fit: stopped by {stop.reason} at step {step}; checkpoint saved, "
-                           f"continue with resume=True.")
+                    # Checkpoints, step-based evals and stops come before the next batch is
+                    # trained, so the saved position (`loop.batch`, `data_state`) is exact.
+                    if loop.before_batch(data_state):
+                        break
+                    loop.train(train_fn if k == 1 else train_k, batch, k)
+                else:
+                    loop.end_epoch(complete=True)
+                    continue
+                break  # a stop or max_steps inside an epoch
+            loop.end()
     finally:
-        mgr.wait_until_finished()  # raises errors of asynchronous saves here, never loses them
-        mgr.close()
-        logger.close()
-        history.timing = logger.timing(step)
-    if stop.reason in ("SIGTERM", "preemption"):
+        loop.close()
+    history.timing = loop.logger.timing(loop.step)
+    if loop.signals.reason in ("SIGTERM", "preemption"):
         raise SystemExit(128 + signal.SIGTERM)  # 143: what schedulers expect after SIGTERM
-    return state, history
+    return loop.state, history
 
 
 def load_ckpt(state, ckpt_dir, step=None):
     """Restores a state saved by `fit` from a run's checkpoint directory
-    (`<workdir>/checkpoints/<run>`). `step` is a step number, `"last"`/`None` (the latest) or
-    `"best"`. `state` gives the structure, shapes and shardings; its values are not used."""
+    (`<workdir>/checkpoints/<run>`, also `history.ckpt_dir`). `step` is a step number,
+    `"last"`/`None` (the latest) or `"best"`. `state` gives the structure, shapes and
+    shardings; its values are not used."""
     ckpt_dir = os.path.abspath(ckpt_dir)
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"load_ckpt: no checkpoint directory at {ckpt_dir}.")
@@ -331,14 +213,65 @@ def load_ckpt(state, ckpt_dir, step=None):
         if step in (None, "last"):
             step = max(steps)
         elif step == "best":
-            step = mgr.restore(max(steps), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["best_step"]
-            step = max(steps) if step is None else step
+            meta = mgr.restore(max(steps), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            step = max(steps) if meta["best_step"] is None else meta["best_step"]
         elif step not in steps:
-            raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps {sorted(steps)}.")
-        state = _prepare_state(state, 0, NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P()))
-        return _restore(mgr, step, state)[0]
+            raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
+                             f"{sorted(steps)} (or pass 'last' or 'best').")
+        sharding = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
+        placed = _prepare_state(state, 0, NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P()))
+        if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
+            placed = jax.device_put(placed, sharding)  # keep the caller's placement
+        return _restore(mgr, step, placed)[0]
     finally:
         mgr.close()
+
+
+class EarlyStopping:
+    """A hook that stops training when `monitor` has not improved by more than `min_delta` for
+    `patience` evaluations, and (with `restore_best`) returns the state of the best checkpoint.
+    It watches fit's own `monitor` (the metric that picks the best checkpoint), so the state
+    it restores is the one it judged best."""
+
+    def __init__(self, patience=3, min_delta=0.0, restore_best=True, monitor=None):
+        _check_positive_int("patience", patience, "EarlyStopping")
+        self.patience, self.min_delta, self.restore_best, self.monitor = patience, min_delta, restore_best, monitor
+
+    def __call__(self, event, run):
+        if event == "train_start":
+            if self.monitor not in (None, run.monitor):
+                raise ValueError(f"EarlyStopping: monitor={self.monitor!r} differs from fit's "
+                                 f"monitor={run.monitor!r}, which picks the checkpoint to restore; "
+                                 f"pass monitor={self.monitor!r} to fit instead.")
+            self.best, self.bad = None, 0
+        elif event in ("eval", "epoch_end") and run.monitor in run.metrics:
+            value = run.metrics[run.monitor] * (1 if run.mode == "max" else -1)
+            if self.best is None or value > self.best + self.min_delta:
+                self.best, self.bad = value, 0
+            else:
+                self.bad += 1
+                run.stop = self.bad >= self.patience
+        elif event == "train_end" and self.restore_best and run.stopped_early:
+            run.state = load_ckpt(run.state, run.ckpt_dir, "best")
+
+
+class Profiler:
+    """A hook that traces steps `start_step` to `start_step + num_steps` with `jax.profiler`
+    into the run's TensorBoard directory (TensorBoard's Profile tab; `pip install
+    tensorboard-plugin-profile`). Hooks run at log points, so the window is rounded out to them:
+    pick `log_every` to suit."""
+
+    def __init__(self, start_step=10, num_steps=20):
+        self.start_step, self.stop_step, self.running = start_step, start_step + num_steps, False
+
+    def __call__(self, event, run):
+        if not self.running and self.start_step <= run.step < self.stop_step and event != "train_end":
+            jax.profiler.start_trace(run.log_dir)
+            self.running = True
+        elif self.running and (run.step >= self.stop_step or event == "train_end"):
+            jax.block_until_ready(run.state)  # include the queued steps in the trace
+            jax.profiler.stop_trace()
+            self.running = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,10 +293,11 @@ def _default_train_step(loss_fn):
             return loss, (metrics, updates)
 
         (loss, (metrics, updates)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        norms = {"grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(state.params)}
         state = state.apply_gradients(grads=grads)
         if has_bs:
             state = state.replace(batch_stats=updates["batch_stats"])
-        return state, {"loss": loss, **metrics}
+        return state, {"loss": loss, **metrics, **norms}
     return train_step
 
 
@@ -467,8 +401,10 @@ class _Data:
             if len(x) != len(y) or len(x) == 0:
                 raise ValueError(f"fit: {name} must be two non-empty arrays with the same number of "
                                  f"examples, got {len(x)} inputs and {len(y)} targets.")
-            self.x, self.y, self.batch_size = x, y, batch_size
+            self.x, self.y = x, y
             self.length = math.ceil(len(x) / batch_size)
+            if steps_per_epoch:
+                self.length = min(self.length, steps_per_epoch)
             first = self._convert((x[:batch_size], y[:batch_size]), 0)
         else:
             try:
@@ -493,7 +429,7 @@ class _Data:
                 self.ds = ds
             self.length = len(ds) if hasattr(ds, "__len__") and not self.stream else None
         self.spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), first)
-        self.sharded_size = jax.tree.leaves(first)[0].shape[0]
+        self.batch_size = jax.tree.leaves(first)[0].shape[0]
 
     def _convert(self, batch, index):
         """A host batch as numpy arrays, with a clear error for anything else."""
@@ -536,7 +472,7 @@ class _Data:
             n = len(self.x)
             order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
             for i in range(skip, self.length):
-                idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+                idx = order[i * self.batch_size:(i + 1) * self.batch_size]  # (the first batch's size)
                 if self.shuffle:
                     idx = np.sort(idx)  # contiguous reads are faster; the set is what is random
                 yield (self.x[idx], self.y[idx]), None
@@ -574,14 +510,14 @@ class _Data:
             yield self._convert(raw, i), position
 
 
-def _grouped(batches, k, step):
+def _grouped(batches, k, step, max_steps=None):
     """Stacks runs of `k` equally shaped batches for `steps_per_jit`. Groups start at multiples
     of k in absolute steps, so a resumed run groups (and so rounds) exactly like the original;
     batches before the first such step, a smaller last batch and an epoch's remainder run as
     single steps. Yields `(batch, data_state, steps)`."""
     group = []
     for batch, data_state in batches:
-        if k > 1 and (group or step % k == 0):
+        if k > 1 and (group or (step % k == 0 and not (max_steps and step + k > max_steps))):
             if group and jax.tree.structure(batch) == jax.tree.structure(group[0][0]) and all(
                     a.shape == b.shape for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(group[0][0]))):
                 group.append((batch, data_state))
@@ -709,6 +645,56 @@ def _pick_monitor(monitor, mode, train_names, eval_names):
     return monitor, mode
 
 
+def _check_options(args):
+    """Checks fit's arguments that need no data: a clear message before any work starts."""
+    for name in ("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit"):
+        _check_positive_int(name, args[name])
+    for name in ("ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "eval_steps", "batch_size"):
+        if args[name] is not None:
+            _check_positive_int(name, args[name])
+    for name, allowed in (("mode", ("auto", "min", "max")), ("on_nonfinite", ("raise", "skip"))):
+        if args[name] not in allowed:
+            raise ValueError(f"fit: {name} must be one of {allowed}, got {args[name]!r}.")
+    if args["eval_every"] and args["eval_freq"] != 1:
+        raise ValueError(f"fit: eval_every={args['eval_every']} (steps) and eval_freq="
+                         f"{args['eval_freq']} (epochs) contradict each other; pass one of them.")
+    if args["train_step"] is None and args["loss_fn"] is None:
+        raise ValueError("fit: pass loss_fn(outputs, targets) (or your own train_step).")
+    for name in ("loss_fn", "eval_step", "train_step", "lr_fn"):
+        if args[name] is not None and not callable(args[name]):
+            raise TypeError(f"fit: {name} must be a function, got {type(args[name]).__name__}.")
+    if not isinstance(args["hooks"], (list, tuple)) or not all(callable(h) for h in args["hooks"]):
+        raise TypeError(f"fit: hooks must be a list of functions hook(event, run), got {args['hooks']!r}.")
+    if args["hparams"] is not None and not isinstance(args["hparams"], dict):
+        raise TypeError(f"fit: hparams must be a dict of name -> value, got {type(args['hparams']).__name__}.")
+    keys = args["batch_keys"]
+    if keys is not None and not (isinstance(keys, (tuple, list)) and len(keys) == 2):
+        raise ValueError(f"fit: batch_keys must be a pair (inputs_key, targets_key), got {keys!r}.")
+    if not isinstance(args["log_name"], str) or not re.fullmatch(r"[\w.-]+", args["log_name"]):
+        raise ValueError(f"fit: log_name must be a non-empty name of letters, digits, '_', '-' "
+                         f"or '.', got {args['log_name']!r}.")
+    state, mesh = args["state"], args["mesh"]
+    if getattr(state, "tx", None) is None or not hasattr(state, "apply_gradients"):
+        raise ValueError(f"fit: state must be a TrainState with an optimizer (tx), got "
+                         f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build it "
+                         f"with TrainState.create(apply_fn=..., params=..., tx=optax.adam(...)).")
+    if mesh is not None and "data" not in mesh.axis_names:
+        raise ValueError(f"fit: mesh must have a 'data' axis to shard batches over, got axes "
+                         f"{mesh.axis_names}.")
+
+
+def _check_batching(train, test, batch_size, mesh):
+    if batch_size is not None and not (train.arrays or (test is not None and test.arrays)):
+        raise ValueError(f"fit: batch_size={batch_size} is only for array data (x, y), but train_ds "
+                         f"and test_ds yield their own batches; drop batch_size.")
+    n, d = train.batch_size, mesh.shape["data"]
+    if n % d:
+        raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
+                         f"devices ({d}) so every device gets an equal share; use a batch size of "
+                         f"{n - n % d or d} or {n + d - n % d}. (Only a smaller last batch may "
+                         f"split unevenly: it is run whole on every device.)")
+
+
 def _check_positive_int(name, value, where="fit"):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}.")
@@ -774,14 +760,6 @@ def _fresh_meta():
             "epoch_sum": {"sum": {}, "n": 0}}
 
 
-def _save(mgr, step, state, meta, logger, metrics):
-    """Writes a checkpoint (asynchronously; only the device-to-host copy blocks)."""
-    meta = dict(meta, history=dict(logger.history), log=logger.interval, epoch_sum=logger.epoch_acc)
-    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                           meta=ocp.args.JsonSave(_jsonable(meta))),
-             metrics=metrics)
-
-
 def _restore(mgr, step, state):
     """Restores `(state, meta)` of `step` into `state`'s structure, shapes and shardings."""
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
@@ -831,21 +809,20 @@ def _say(lead, message):
         tqdm.write(message)
 
 
-class _StopOnSignal:
-    """Turns the first SIGINT/SIGTERM into a request to stop after the current step (a second
-    SIGINT interrupts at once). Installs nothing off the main thread or after
-    `jax.distributed.initialize`, where JAX's preemption notifier owns SIGTERM."""
+class _Stop:
+    """Why the run is stopping, if it is: a hook's request, or the first SIGINT/SIGTERM, turned
+    into a stop after the current step (a second SIGINT interrupts at once). Installs no handler
+    off the main thread, nor for SIGTERM after `jax.distributed.initialize`, where JAX's
+    preemption notifier owns it and orbax's `reached_preemption` tells all processes."""
 
     def __init__(self):
         self.reason, self.previous = None, {}
 
     def __enter__(self):
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            if sig == signal.SIGTERM and jax.process_count() > 1:
-                continue
-            self.previous[sig] = signal.signal(sig, self._handle)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if sig == signal.SIGINT or jax.process_count() == 1:
+                    self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, sig, frame):
@@ -858,50 +835,214 @@ class _StopOnSignal:
             signal.signal(sig, handler)
 
 
+class _Loop:
+    """One run's moving parts: the state and where the run is (`step`; `epoch` and `batch`, the
+    batches of that epoch trained on), the checkpoint manager, the logger and the hooks, and what
+    happens at each point of the loop."""
+
+    def __init__(self, cfg, mgr):
+        self.cfg, self.mgr, self.history = cfg, mgr, cfg.history
+        self.lead = jax.process_index() == 0
+        self.signals, self.logger = _Stop(), None
+        self.state, self.meta = cfg.state, _fresh_meta()
+        if cfg.restored:
+            try:
+                self.state, self.meta = _restore(mgr, mgr.latest_step(), self.state)
+            except BaseException:
+                mgr.close()
+                raise
+        self.history.update(self.meta["history"])
+        self.meta["history"] = self.history  # one object, saved with every checkpoint
+        self.step = int(jax.device_get(self.state.step))
+        self.epoch, self.batch, self.data_state = self.meta["epoch"], self.meta["batch"], self.meta["data_state"]
+        self.saved = self.step if cfg.restored else None
+        self.last_ckpt = self.last_eval = self.step
+        self.acc, self.inflight, self.compiled = cfg.acc0, collections.deque(), set()
+
+    def finished(self):
+        cfg = self.cfg
+        return bool(self.signals.reason or self.epoch >= cfg.num_epochs or
+                    (cfg.max_steps and self.step >= cfg.max_steps))
+
+    def open_logs(self, used, eval_names, total):
+        cfg = self.cfg
+        writer = None
+        if self.lead:
+            writer = SummaryWriter(self.history.log_dir, purge_step=self.step or None)
+            if self.step == 0:  # hparams once per run, at its start, so a crashed run shows them
+                tags = [f"train/{n}" for n in self.acc["sum"]] + [f"eval/{n}" for n in eval_names]
+                exp, ssi, _ = _hparams_summaries({k: _hparam_value(v) for k, v in used.items()},
+                                                 {t: 0.0 for t in tags + [f"best/{cfg.monitor}"]})
+                writer._get_file_writer().add_summary(exp)
+                writer._get_file_writer().add_summary(ssi)
+        self.logger = _Logger(writer, self.history, self.meta, self.lead, total, self.step,
+                              cfg.train.batch_size, cfg.on_nonfinite, cfg.lr_of is not None, self.hook)
+
+    def before_batch(self, data_state):
+        """Runs what is due before the next batch; returns True when the loop must stop here."""
+        cfg = self.cfg
+        self.data_state = data_state
+        self.logger.waited()
+        if jax.process_count() > 1 and self.mgr.reached_preemption(self.step):
+            self.signals.reason = "preemption"  # every process stops at this same step
+        due_eval = cfg.evaluate and cfg.eval_every and _crossed(self.last_eval, self.step, cfg.eval_every)
+        value = self.evaluate() if due_eval else None
+        if due_eval or (cfg.ckpt_every and _crossed(self.last_ckpt, self.step, cfg.ckpt_every)):
+            self.save(value)
+        return self.finished()
+
+    def train(self, fn, batch, k):
+        shape = (k, jax.tree.leaves(batch)[0].shape)
+        if shape in self.compiled:
+            self.state, self.acc = fn(self.state, self.acc, batch)
+        else:  # one wait per new shape, so compile time is kept out of the rate
+            with self.logger.timed("compile", k):
+                self.state, self.acc = fn(self.state, self.acc, batch)
+                jax.block_until_ready(self.acc)
+            self.compiled.add(shape)
+        self.step, self.batch = self.step + k, self.batch + k
+        self.logger.poll()  # reads the interval stashed at the last log point, finished by now
+        if _crossed(self.step - k, self.step, self.cfg.log_every):
+            self.acc = self.logger.stash(self.acc, self.cfg.acc0, self.step)
+        # Keep the host at most two calls ahead, so it does not queue up batches.
+        self.inflight.append(self.acc["n"])
+        if len(self.inflight) > 2:
+            self.inflight.popleft().block_until_ready()
+        self.logger.ready()
+
+    def end_epoch(self, complete):
+        """An epoch's end; or, with `complete=False`, the end of a run that reached `max_steps`
+        inside an epoch (its position is saved, so a longer run can go on from it)."""
+        cfg = self.cfg
+        if complete and self.batch == 0:
+            raise ValueError(f"fit: train_ds yielded no batches in epoch {self.epoch + 1}; a "
+                             f"generator can be iterated only once: pass a list or a re-iterable "
+                             f"loader, or set steps_per_epoch.")
+        self.acc = self.logger.flush(self.acc, cfg.acc0, self.step)
+        self.hook("epoch_end", self.logger.end_epoch(self.epoch, self.step))
+        last = (self.epoch + 1 == cfg.num_epochs and complete) or bool(cfg.max_steps and self.step >= cfg.max_steps)
+        due = (self.epoch + 1) % cfg.eval_freq == 0 and complete and not cfg.eval_every
+        value = None
+        if cfg.evaluate and (due or last) and self.last_eval != self.step:
+            value = self.evaluate()
+        if cfg.monitor.startswith("train/"):
+            value = self.history[cfg.monitor][-1]
+            self.logger.track_best(cfg.monitor, cfg.mode, value, self.step)
+        if complete:
+            self.epoch, self.batch, self.data_state = self.epoch + 1, 0, None
+        self.save(value)
+
+    def evaluate(self):
+        cfg = self.cfg
+        with self.logger.timed("eval"):
+            results = cfg.evaluate(self.state, cfg.put)
+        self.last_eval = self.step
+        self.logger.log_eval(self.epoch + 1, self.step, results)
+        value = results.get(cfg.monitor[len("eval/"):]) if cfg.monitor.startswith("eval/") else None
+        if value is not None:
+            self.logger.track_best(cfg.monitor, cfg.mode, value, self.step)
+        self.hook("eval", {f"eval/{k}": v for k, v in results.items()})
+        return value
+
+    def save(self, value):
+        """Writes a checkpoint of this step, asynchronously: only the device-to-host copy blocks.
+        The flush first is also the non-finite check: a NaN state is never written."""
+        if self.step == self.saved:
+            return
+        self.acc = self.logger.flush(self.acc, self.cfg.acc0, self.step)
+        self.meta.update(epoch=self.epoch, batch=self.batch,
+                         data_state=self.data_state if self.batch else None)
+        with self.logger.timed("save"):
+            self.mgr.save(self.step, metrics=None if value is None else {self.cfg.monitor: value},
+                          args=ocp.args.Composite(state=ocp.args.StandardSave(self.state),
+                                                  meta=ocp.args.JsonSave(_jsonable(self.meta))))
+        self.saved = self.last_ckpt = self.step
+
+    def end(self):
+        """After the loop: save where a stop or max_steps left the run, then the train_end hooks."""
+        if self.signals.reason:
+            self.history.setdefault("stopped", []).append(f"{self.signals.reason} at step {self.step}")
+            self.save(None)
+            _say(self.lead, f"fit: stopped by {self.signals.reason} at step {self.step}; "
+                            f"checkpoint saved, continue with resume=True.")
+        elif self.batch:
+            self.end_epoch(complete=False)
+        self.mgr.wait_until_finished()
+        self.hook("train_end", {})
+
+    def hook(self, event, metrics=None):
+        """Calls each hook with `(event, run)`; `run` carries the step, state and metrics, and
+        takes `run.stop = True` (stop after this step) or, at train_end, a new `run.state`."""
+        if not self.cfg.hooks:
+            return
+        cfg = self.cfg
+        run = types.SimpleNamespace(
+            event=event, step=self.step, epoch=self.epoch, state=self.state, metrics=metrics or {},
+            history=self.history, monitor=cfg.monitor, mode=cfg.mode, log_dir=self.history.log_dir,
+            ckpt_dir=self.history.ckpt_dir, writer=self.logger and self.logger.writer,
+            stopped_early=bool(self.signals.reason), stop=False)
+        for hook in cfg.hooks:
+            hook(event, run)
+            if run.stop and not self.signals.reason:
+                self.signals.reason = getattr(hook, "__name__", type(hook).__name__)
+        self.state = run.state if event == "train_end" else self.state
+
+    def close(self):
+        try:
+            self.mgr.wait_until_finished()  # raises errors of asynchronous saves, never loses them
+        finally:
+            self.mgr.close()
+            if self.logger:
+                self.logger.close()
+
+
 class _Logger:
     """The host side of metrics: the progress bar, TensorBoard and the history.
 
     Train metrics arrive as on-device sums; `stash` keeps a reference at a log point and `poll`
     reads it one step later, when the device has finished it, so the host never waits. The
     running sums (`interval`, `epoch_acc`) live in the checkpoint's meta, so a resumed run logs
-    exactly what an uninterrupted one would."""
+    what an uninterrupted one would."""
 
-    def __init__(self, writer, history, meta, lead, total, step, batch_size, on_nonfinite):
-        self.writer, self.history, self.lead, self.batch_size = writer, history, lead, batch_size
-        self.meta, self.interval, self.epoch_acc = meta, meta["log"], meta["epoch_sum"]
-        self.skipping = on_nonfinite == "skip"
-        self.pending, self.lr, self.first_step, self.epoch_name = None, 0.0, step, ""
+    def __init__(self, writer, history, meta, lead, total, step, batch_size, on_nonfinite, lr_known, hook):
+        self.writer, self.history, self.meta, self.lead = writer, history, meta, lead
+        self.interval, self.epoch_acc = meta["log"], meta["epoch_sum"]
+        self.batch_size, self.skipping, self.lr_known, self.hook = batch_size, on_nonfinite == "skip", lr_known, hook
+        self.pending, self.lr, self.first_step, self.epoch_name = None, None, step, ""
         self.bar = tqdm(total=total, initial=step, disable=not lead, unit="step", dynamic_ncols=True)
-        self.t0, self.spent_steps = time.perf_counter(), 0
-        self.spent = {"compile": 0.0, "eval": 0.0, "save": 0.0}
+        self.t0 = self.t_ready = self.t_log = time.perf_counter()
+        self.spent = {"compile": 0.0, "eval": 0.0, "save": 0.0, "data": 0.0}
         self.counts = {"compile": 0, "eval": 0, "save": 0}
-
-    def start_epoch(self, epoch, num_epochs):
-        self.epoch_name = f"epoch {epoch + 1}/{num_epochs}"
-        self.bar.set_description(self.epoch_name)
+        self.spent_steps, self.step_log, self.data_log = 0, step, 0.0
 
     @contextlib.contextmanager
     def timed(self, what, steps=0):
         """Times a compile, an eval or a save's blocking part, to leave it out of the rate."""
-        if what == "compile":
-            self.bar.set_description("compiling")
+        self.bar.set_description("compiling" if what == "compile" else what + "uating" if what == "eval" else "saving")
         t = time.perf_counter()
         yield
         self.spent[what] += time.perf_counter() - t
         self.spent_steps += steps
         self.counts[what] += 1
         self.bar.set_description(self.epoch_name)
+        self.t_ready = time.perf_counter()
+
+    def waited(self):
+        """Time from the last dispatch to the next batch being ready: host time on the data."""
+        self.spent["data"] += time.perf_counter() - self.t_ready
+
+    def ready(self):
+        self.t_ready = time.perf_counter()
 
     def steady_rate(self, step):
-        seconds = time.perf_counter() - self.t0 - sum(self.spent.values())
+        seconds = time.perf_counter() - self.t0 - sum(v for k, v in self.spent.items() if k != "data")
         steps = step - self.first_step - self.spent_steps
         return steps / seconds if steps > 0 and seconds > 0 else None
 
     def timing(self, step):
-        rate = self.steady_rate(step)
         return {**{f"{k}_s": v for k, v in self.spent.items()},
                 **{f"{k}_count": v for k, v in self.counts.items()},
-                "steps": step - self.first_step, "steady_steps_per_s": rate,
+                "steps": step - self.first_step, "steady_steps_per_s": self.steady_rate(step),
                 "wall_s": time.perf_counter() - self.t0}
 
     def stash(self, acc, acc0, step):
@@ -917,8 +1058,7 @@ class _Logger:
             self._log_interval(step)
 
     def flush(self, acc, acc0, step):
-        """Reads everything accumulated so far: a sync point, used at epoch ends and saves (where
-        it is also the check that no non-finite state gets written)."""
+        """Reads everything accumulated so far: a sync point, used at epoch ends and saves."""
         self.poll()
         self._add(jax.device_get(acc), step)
         return acc0
@@ -927,46 +1067,61 @@ class _Logger:
         if acc["bad"] and not self.skipping:
             raise FloatingPointError(
                 f"fit: a non-finite loss, metric or parameter appeared at step "
-                f"{int(acc['first_bad'])} (found at step {step}); nothing after it was saved. Lower "
-                f"the learning rate, check the data, or pass on_nonfinite='skip' to drop such updates.")
+                f"{int(acc['first_bad']) + 1} (found by step {step}); no checkpoint was written "
+                f"after it. Lower the learning rate, check the data, or pass on_nonfinite='skip' "
+                f"to drop such updates.")
         for target in (self.interval, self.epoch_acc):
             for k, v in acc["sum"].items():
                 target["sum"][k] = target["sum"].get(k, 0.0) + float(v)
             target["n"] += int(acc["n"])
         self.interval["skipped"] = self.interval.get("skipped", 0) + int(acc["bad"])
-        self.meta["skipped"] = self.meta.get("skipped", 0) + int(acc["bad"])
-        self.lr = float(acc["lr"])
+        self.meta["skipped"] += int(acc["bad"])
+        if self.lr_known:
+            self.lr = float(acc["lr"])
 
     def _log_interval(self, step):
-        n = self.interval["n"]
-        if not n and not self.interval.get("skipped"):
+        if step == self.step_log:
             return
-        means = {k: v / max(n, 1) for k, v in self.interval["sum"].items()}
-        if self.writer is not None:
-            for k, v in means.items():
-                self.writer.add_scalar(f"train/{k}", v, step)
-            self.writer.add_scalar("train/lr", self.lr, step)
-            if self.skipping:
-                self.writer.add_scalar("train/skipped_steps", self.meta["skipped"], step)
-        postfix = {k: f"{v:.4g}" for k, v in means.items()}
-        postfix["lr"] = f"{self.lr:.3g}"
+        n = self.interval["n"]
+        means = {f"train/{k}": v / max(n, 1) for k, v in self.interval["sum"].items()}
+        if self.lr is not None:
+            means["train/lr"] = self.lr
+        if self.skipping:
+            means["train/skipped_steps"] = self.meta["skipped"]
+        now = time.perf_counter()
         rate = self.steady_rate(step)
+        perf = {"perf/steps_per_s": rate, "perf/examples_per_s": rate and rate * self.batch_size,
+                "perf/data_wait_fraction": (self.spent["data"] - self.data_log) / max(now - self.t_log, 1e-9)}
+        if self.writer is not None:
+            for k, v in list(means.items()) + list(perf.items()):
+                if v is not None:
+                    self.writer.add_scalar(k, v, step)
+        postfix = {k.split("/")[-1]: f"{v:.4g}" for k, v in means.items()}
         if rate:
             postfix["ex/s"] = f"{rate * self.batch_size:.0f}"
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(step - self.bar.n)
         self.interval.update(sum={}, n=0, skipped=0)
+        self.step_log, self.t_log, self.data_log = step, now, self.spent["data"]
+        self.hook("log", means)
+
+    def start_epoch(self, epoch, num_epochs):
+        self.epoch_name = f"epoch {epoch + 1}/{num_epochs}"
+        self.bar.set_description(self.epoch_name)
 
     def end_epoch(self, epoch, step):
+        """Logs the last interval and appends the epoch's means to the history."""
         self._log_interval(step)
         n = max(self.epoch_acc["n"], 1)
         self.history["epoch"].append(epoch + 1)
         self.history["step"].append(step)
-        for k, v in self.epoch_acc["sum"].items():
-            self.history.setdefault(f"train/{k}", []).append(v / n)
+        row = {f"train/{k}": v / n for k, v in self.epoch_acc["sum"].items()}
         if self.skipping:
-            self.history.setdefault("train/skipped_steps", []).append(self.meta["skipped"])
+            row["train/skipped_steps"] = self.meta["skipped"]
+        for k, v in row.items():
+            self.history.setdefault(k, []).append(v)
         self.epoch_acc.update(sum={}, n=0)
+        return row
 
     def log_eval(self, epoch, step, results):
         for k, v in results.items():
@@ -976,7 +1131,7 @@ class _Logger:
         if self.writer is not None:
             for k, v in results.items():
                 self.writer.add_scalar(f"eval/{k}", v, step)
-        _say(self.lead, f"epoch {epoch}: " + ", ".join(f"eval/{k}={v:.4f}" for k, v in results.items()))
+        _say(self.lead, f"step {step}: " + ", ".join(f"eval/{k}={v:.4f}" for k, v in results.items()))
 
     def track_best(self, monitor, mode, value, step):
         best = self.meta["best"]
