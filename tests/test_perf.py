@@ -1,0 +1,78 @@
+"""The loop never waits on the device per step, and batches reach the device ahead of the step
+that uses them. Speed itself is measured by benchmarks/bench.py, never by timed tests."""
+import numpy as np
+import pytest
+from jax._src import array as jax_array
+
+import fit as fit_module
+from conftest import MLP, loss_fn, make_state
+from fit import fit
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts every read of a device array's value on the host. jax.transfer_guard does not
+    fire for device-to-host reads on CPU, so the read paths themselves are wrapped: `_value`
+    (device_get, float, int, bool), `__array__` (np.asarray) and `item`."""
+    reads = []
+    cls = jax_array.ArrayImpl
+    value, to_numpy, item = cls._value, cls.__array__, cls.item
+
+    def counted(fn):
+        def wrapper(self, *args, **kwargs):
+            reads.append(self.shape)
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(cls, "_value", property(counted(value.fget)))
+    monkeypatch.setattr(cls, "__array__", counted(to_numpy))
+    monkeypatch.setattr(cls, "item", counted(item))
+    return reads
+
+
+def _data(n_batches, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(16, 8, 8, 1)).astype(np.float32),
+             rng.integers(0, 10, 16).astype(np.int32)) for _ in range(n_batches)]
+
+
+def _reads_during_fit(host_reads, tmp_path, name, steps_per_epoch, log_every, mesh):
+    train, test = _data(steps_per_epoch), _data(3, seed=1)
+    state = make_state(MLP())
+    before = len(host_reads)
+    fit(state, train, test, loss_fn=loss_fn, num_epochs=2, log_every=log_every,
+        workdir=str(tmp_path), log_name=name, mesh=mesh)
+    return len(host_reads) - before
+
+
+def test_host_reads_do_not_grow_with_steps(host_reads, tmp_path, one_device_mesh):
+    # Same number of log points (4), evals (2) and saves (2); twice the steps.
+    short = _reads_during_fit(host_reads, tmp_path, "short", 100, 50, one_device_mesh)
+    long = _reads_during_fit(host_reads, tmp_path, "long", 200, 100, one_device_mesh)
+    assert short > 0, "the counter saw no reads at all: it is not wrapping the read paths"
+    assert long == short, f"{long} host reads for 400 steps vs {short} for 200: a per-step read"
+    # The counter can see a per-step read: logging every step reads every step.
+    every = _reads_during_fit(host_reads, tmp_path, "every", 100, 1, one_device_mesh)
+    assert every > short + 150, (every, short)
+
+
+def test_batches_are_placed_before_their_step(monkeypatch, tmp_path, one_device_mesh):
+    events = []
+    real_put, real_train = fit_module._put, fit_module._Loop.train
+
+    def put(*args, **kwargs):
+        events.append("put")
+        return real_put(*args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        events.append("step")
+        return real_train(self, *args, **kwargs)
+
+    monkeypatch.setattr(fit_module, "_put", put)
+    monkeypatch.setattr(fit_module._Loop, "train", train)
+    fit(make_state(MLP()), _data(10), loss_fn=loss_fn, workdir=str(tmp_path), mesh=one_device_mesh)
+    steps = [i for i, e in enumerate(events) if e == "step"]
+    assert len(steps) == 10
+    for n, i in enumerate(steps):
+        # when step n is dispatched, batches n+1 and n+2 are already on their way to the device
+        assert events[:i].count("put") >= min(n + 3, 10), (n, events)
