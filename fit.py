@@ -970,14 +970,16 @@ class _Loop:
         self.mgr.wait_until_finished()
         self.hook("train_end", {})
 
-    def hook(self, event, metrics=None):
+    def hook(self, event, metrics=None, step=None):
         """Calls each hook with `(event, run)`; `run` carries the step, state and metrics, and
-        takes `run.stop = True` (stop after this step) or, at train_end, a new `run.state`."""
+        takes `run.stop = True` (stop after this step) or, at train_end, a new `run.state`.
+        At `log`, `run.step` is the step the metrics are for; the state may be a call ahead,
+        because the metrics are read only once the device has moved on."""
         if not self.cfg.hooks:
             return
         cfg = self.cfg
         run = types.SimpleNamespace(
-            event=event, step=self.step, epoch=self.epoch, state=self.state, metrics=metrics or {},
+            event=event, step=self.step if step is None else step, epoch=self.epoch, state=self.state, metrics=metrics or {},
             history=self.history, monitor=cfg.monitor, mode=cfg.mode, log_dir=self.history.log_dir,
             ckpt_dir=self.history.ckpt_dir, writer=self.logger and self.logger.writer,
             stopped_early=bool(self.signals.reason), stop=False)
@@ -1103,7 +1105,7 @@ class _Logger:
         self.bar.update(step - self.bar.n)
         self.interval.update(sum={}, n=0, skipped=0)
         self.step_log, self.t_log, self.data_log = step, now, self.spent["data"]
-        self.hook("log", means)
+        self.hook("log", means, step)
 
     def start_epoch(self, epoch, num_epochs):
         self.epoch_name = f"epoch {epoch + 1}/{num_epochs}"
