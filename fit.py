@@ -354,7 +354,7 @@ def _train_and_accumulate(step_fn, lr_of, on_nonfinite, state, acc, batch):
         acc = _zeros({"sum": metrics, "n": jnp.int32(0), "bad": jnp.int32(0),
                       "first_bad": jnp.int32(0), "lr": jnp.float32(0)})
     metrics_ok = {k: jnp.where(finite, v, 0.0) for k, v in metrics.items()} if on_nonfinite == "skip" else metrics
-    lr = acc["lr"] if lr_of is None else jnp.asarray(lr_of(state), jnp.float32)
+    lr = acc["lr"] if lr_of is None else jnp.asarray(lr_of(new_state), jnp.float32)
     return new_state, {
         "sum": {k: acc["sum"][k] + v for k, v in metrics_ok.items()},
         "n": acc["n"] + jnp.where(finite | (on_nonfinite == "raise"), 1, 0).astype(jnp.int32),
@@ -492,7 +492,7 @@ class _Data:
             self.ds.set_epoch(epoch)
         iterator = iter(self.ds)
         resumable = hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
-        if resumable and data_state is not None:
+        if resumable and data_state is not None and skip:
             iterator.set_state(data_state)
         else:
             iterator = itertools.islice(iterator, skip, None)
@@ -604,9 +604,10 @@ def _is_key(x):
 
 
 def _lr_getter(state, lr_fn):
-    """Finds how to read the learning rate of a step inside the jitted step, if it can be known."""
+    """How to read, from the state after a step, the learning rate that step used: optax's
+    `inject_hyperparams` stores it in the optimizer state; `lr_fn` gets the step's number."""
     if lr_fn is not None:
-        return lambda s: lr_fn(s.step)
+        return lambda s: lr_fn(s.step - 1)
     found = []
 
     def visit(node, path):
