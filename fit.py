@@ -111,7 +111,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         resume=False, monitor=None, mode="auto", max_to_keep=1, lr_fn=None, batch_size=None,
         train_step=None, batch_keys=None, ckpt_every=None, max_steps=None, steps_per_epoch=None,
         eval_every=None, eval_steps=None, steps_per_jit=1, hooks=(), on_nonfinite="raise",
-        mesh=None):
+        mesh=None, state_sharding=None):
     """Trains `state` on `train_ds` and returns `(state, history)`. README.md documents every
     argument; the defaults are the signature's."""
     # 1. Check everything that can be checked before touching the disk or compiling.
@@ -123,16 +123,17 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     test = test_ds if test_ds is None else _Data(test_ds, "test_ds", batch_size, False, seed,
                                                  batch_keys, eval_step is not None, eval_steps)
     _check_batching(train, test, batch_size, mesh)
-    state = _prepare_state(state, seed, replicated)
+    state = _prepare_state(state, seed, _state_shardings(state, state_sharding, mesh))
+    placement = (jax.tree.map(lambda x: x.sharding, state), replicated)  # (state, metric sums)
     lr_of = _lr_getter(state, lr_fn)
     one_step = functools.partial(_train_and_accumulate, train_step or _default_train_step(loss_fn),
                                  lr_of, on_nonfinite)
-    train_fn = jax.jit(one_step, donate_argnums=0, out_shardings=replicated)
+    train_fn = jax.jit(one_step, donate_argnums=0, out_shardings=placement)
     # k steps per call: a scan over a stacked group of k batches. XLA's CPU backend runs a rolled
     # scan of convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster.
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one_step(*carry, b), None), (state, acc), batches,
-        unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=replicated)
+        unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
     acc0 = jax.device_put(_zeros(jax.eval_shape(train_fn, state, None, train.spec)[1]), replicated)
     evaluate, eval_names = None, []
     if test is not None:
@@ -576,6 +577,22 @@ def _evaluate(eval_fn, acc, test, state, put):
         raise ValueError("fit: test_ds yielded no batches; a generator can be iterated only once: "
                          "pass a list or a re-iterable loader.")
     return {k: float(v) / float(acc["n"]) for k, v in acc["sum"].items()}
+
+
+def _state_shardings(state, state_sharding, mesh):
+    """Where each leaf of the state lives: replicated by default, else `state_sharding` (a tree
+    like the state, or a function of it, of PartitionSpecs or shardings; e.g. from
+    `flax.linen.get_partition_spec`), with specs laid over `mesh`."""
+    if state_sharding is None:
+        return NamedSharding(mesh, P())
+    tree = state_sharding(state) if callable(state_sharding) else state_sharding
+    is_leaf = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))
+    to_sharding = lambda s: s if isinstance(s, jax.sharding.Sharding) else NamedSharding(mesh, s or P())
+    try:
+        return jax.tree.map(to_sharding, tree, is_leaf=is_leaf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"fit: state_sharding must be a tree like the state (or a function of "
+                         f"it) of PartitionSpecs or shardings: {e}") from None
 
 
 def _prepare_state(state, seed, sharding):
