@@ -111,35 +111,41 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         resume=False, monitor=None, mode="auto", max_to_keep=1, lr_fn=None, batch_size=None,
         train_step=None, batch_keys=None, ckpt_every=None, max_steps=None, steps_per_epoch=None,
         eval_every=None, eval_steps=None, steps_per_jit=1, hooks=(), on_nonfinite="raise",
-        mesh=None, state_sharding=None):
+        mesh=None, state_sharding=None, axis_name=None):
     """Trains `state` on `train_ds` and returns `(state, history)`. README.md documents every
     argument; the defaults are the signature's."""
     # 1. Check everything that can be checked before touching the disk or compiling.
     _check_options(locals())
     mesh = mesh or Mesh(np.array(jax.devices()), ("data",))
+    if axis_name:  # a model written for pmap calls lax.pmean(..., axis_name): name the data axis so
+        mesh = Mesh(mesh.devices, tuple(axis_name if a == "data" else a for a in mesh.axis_names))
+    data_axis = axis_name or "data"
     replicated = NamedSharding(mesh, P())
     custom = train_step is not None
     train = _Data(train_ds, "train_ds", batch_size, True, seed, batch_keys, custom, steps_per_epoch)
     test = test_ds if test_ds is None else _Data(test_ds, "test_ds", batch_size, False, seed,
                                                  batch_keys, eval_step is not None, eval_steps)
-    _check_batching(train, test, batch_size, mesh)
+    _check_batching(train, test, batch_size, mesh, data_axis)
     state = _prepare_state(state, seed, _state_shardings(state, state_sharding, mesh))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)  # (state, metric sums)
     lr_of = _lr_getter(state, lr_fn)
-    one_step = functools.partial(_train_and_accumulate, train_step or _default_train_step(loss_fn),
-                                 lr_of, on_nonfinite)
+    step_fn = train_step or _default_train_step(loss_fn, axis_name)
+    if axis_name:  # the step runs per device; the default step averages gradients and metrics
+        step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(axis_name)),
+                                out_specs=(P(), P()), check_vma=False)
+    one_step = functools.partial(_train_and_accumulate, step_fn, lr_of, on_nonfinite)
     train_fn = jax.jit(one_step, donate_argnums=0, out_shardings=placement)
     # k steps per call: a scan over a stacked group of k batches. XLA's CPU backend runs a rolled
     # scan of convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster.
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one_step(*carry, b), None), (state, acc), batches,
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
-    acc0 = jax.device_put(_zeros(jax.eval_shape(train_fn, state, None, train.spec)[1]), replicated)
+    acc0 = jax.device_put(_zeros(_trace(train_fn, state, train.spec)[1]), replicated)
     evaluate, eval_names = None, []
     if test is not None:
         eval_fn = jax.jit(functools.partial(_eval_and_accumulate, eval_step or _default_eval_step(loss_fn)),
                           out_shardings=replicated)
-        eval0 = jax.device_put(_zeros(jax.eval_shape(eval_fn, state, None, test.spec)), replicated)
+        eval0 = jax.device_put(_zeros(_trace(eval_fn, state, test.spec)), replicated)
         eval_names = list(eval0["sum"])
         evaluate = functools.partial(_evaluate, eval_fn, eval0, test)
     monitor, mode = _pick_monitor(monitor, mode, list(acc0["sum"]), eval_names)
@@ -153,7 +159,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     history = History()
     history.run, history.log_dir, history.ckpt_dir = (run, os.path.join(workdir, "logs", run),
                                                       os.path.join(workdir, "checkpoints", run))
-    put = functools.partial(_put, mesh, replicated)
+    put = functools.partial(_put, mesh, replicated, data_axis)
     loop = _Loop(types.SimpleNamespace(**locals()), _manager(history.ckpt_dir, monitor, mode, max_to_keep))
     if loop.finished():
         loop.close()
@@ -278,11 +284,15 @@ class Profiler:
 # ----------------------------------------------------------------------------------------------
 # Device code: everything below up to the host helpers runs inside jax.jit.
 
-def _default_train_step(loss_fn):
-    """The step of the template users know: one forward pass in train mode, one update."""
+def _default_train_step(loss_fn, axis_name=None):
+    """The step of the template users know: one forward pass in train mode, one update. With
+    `axis_name` it runs on each device's share of the batch (under shard_map) and averages the
+    gradients and metrics over the devices, as pmap-era code did."""
     def train_step(state, batch):
         inputs, targets = batch
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        if axis_name:  # each device draws its own dropout masks
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
         has_bs = bool(jax.tree.leaves(state.batch_stats))
 
         def loss_of(params):
@@ -294,6 +304,8 @@ def _default_train_step(loss_fn):
             return loss, (metrics, updates)
 
         (loss, (metrics, updates)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        if axis_name:
+            grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis_name)
         norms = {"grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(state.params)}
         state = state.apply_gradients(grads=grads)
         if has_bs:
@@ -556,13 +568,13 @@ def _prefetch(batches, put, size=2):
         yield queue.popleft()
 
 
-def _put(mesh, replicated, batch, stacked=False):
+def _put(mesh, replicated, data_axis, batch, stacked=False):
     """Shards a host batch along its leading axis over the mesh. A batch that does not split
     evenly (a small last batch) is placed whole on every device instead: each device computes the
     same full batch, so results stay exact at the cost of redundant work on that one batch."""
     n = jax.tree.leaves(batch)[0].shape[int(stacked)]
-    spec = P(None, "data") if stacked else P("data")  # a stack of k batches: shard each batch
-    sharding = NamedSharding(mesh, spec) if n % mesh.shape["data"] == 0 else replicated
+    spec = P(None, data_axis) if stacked else P(data_axis)  # a stack of k: shard each batch
+    sharding = NamedSharding(mesh, spec) if n % mesh.shape[data_axis] == 0 else replicated
     if jax.process_count() > 1:
         return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), batch)
     return jax.device_put(batch, sharding)
@@ -701,11 +713,26 @@ def _check_options(args):
                          f"{mesh.axis_names}.")
 
 
-def _check_batching(train, test, batch_size, mesh):
+def _trace(fn, state, spec):
+    """The output shapes of `fn(state, None, batch)`: checks the user's functions before any
+    compile or directory, and turns pmap-only models' cryptic failure into advice."""
+    try:
+        return jax.eval_shape(fn, state, None, spec)
+    except NameError as e:
+        name = re.search(r"unbound axis name: ([\w-]+)", str(e))
+        if not name:
+            raise
+        raise ValueError(f"fit: the model uses the named axis {name.group(1)!r} (e.g. "
+                         f"BatchNorm(axis_name={name.group(1)!r}), written for pmap), which plain "
+                         f"jit does not bind; pass axis_name={name.group(1)!r} to fit to run the step "
+                         f"per device over that axis.") from None
+
+
+def _check_batching(train, test, batch_size, mesh, data_axis):
     if batch_size is not None and not (train.arrays or (test is not None and test.arrays)):
         raise ValueError(f"fit: batch_size={batch_size} is only for array data (x, y), but train_ds "
                          f"and test_ds yield their own batches; drop batch_size.")
-    n, d = train.batch_size, mesh.shape["data"]
+    n, d = train.batch_size, mesh.shape[data_axis]
     if n % d:
         raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
                          f"devices ({d}) so every device gets an equal share; use a batch size of "
