@@ -58,6 +58,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax.training import train_state
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as _hparams_summaries
@@ -766,14 +767,13 @@ def _pick_run(workdir, log_name, resume):
                 m = re.fullmatch(re.escape(log_name) + r"_(\d+)", entry)
                 if m:
                     taken.add(int(m.group(1)))
-    if resume and taken:
+    if resume and taken:  # the latest run: from its checkpoint, or afresh if it saved none
         last = f"{log_name}_{max(taken)}"
         with contextlib.suppress(FileNotFoundError):
-            if any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints", last))):
-                return last, True
+            return last, any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints", last)))
+        return last, False
     n = max(taken, default=0) + 1
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+    if jax.process_count() > 1:  # every process must use process 0's choice
         n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
     for sub in ("logs", "checkpoints"):
         os.makedirs(os.path.join(workdir, sub, f"{log_name}_{n}"), exist_ok=True)
@@ -913,7 +913,9 @@ class _Loop:
         cfg = self.cfg
         writer = None
         if self.lead:
-            writer = SummaryWriter(self.history.log_dir, purge_step=self.step or None)
+            # TensorBoard drops earlier points from this step on: the resumed run logs the steps
+            # after its checkpoint again. (0 for a fresh run also clears a crashed attempt's.)
+            writer = SummaryWriter(self.history.log_dir, purge_step=self.step + 1 if self.step else 0)
             if self.step == 0:  # hparams once per run, at its start, so a crashed run shows them
                 tags = [f"train/{n}" for n in self.acc["sum"]] + [f"eval/{n}" for n in eval_names]
                 exp, ssi, _ = _hparams_summaries({k: _hparam_value(v) for k, v in used.items()},
