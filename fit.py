@@ -404,8 +404,9 @@ class _Data:
 
     def __init__(self, ds, name, batch_size, shuffle, seed, batch_keys, custom, steps_per_epoch):
         self.name, self.shuffle, self.seed, self.keys, self.custom = name, shuffle, seed, batch_keys, custom
+        # (x, y): two arrays, or anything np.asarray takes that has a shape (torch, tf tensors)
         self.arrays = isinstance(ds, (tuple, list)) and len(ds) == 2 and all(
-            isinstance(a, np.ndarray) or isinstance(a, jax.Array) for a in ds)
+            hasattr(a, "__array__") and len(getattr(a, "shape", ())) > 0 for a in ds)
         self.steps_per_epoch = steps_per_epoch
         if self.arrays:
             if batch_size is None:
