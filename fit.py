@@ -168,7 +168,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         return loop.state, history
     used = {"num_epochs": num_epochs, "batch_size": train.batch_size, "devices": mesh.size,
             "seed": seed, "steps_per_epoch": spe, "max_steps": max_steps,
-            "steps_per_jit": steps_per_jit, "optimizer": _tx_name(state.tx), "monitor": monitor,
+            "steps_per_jit": steps_per_jit, "monitor": monitor,
             **(hparams or {})}
     loop.open_logs(used, eval_names, total)
     _say(loop.lead, f"fit: {'resuming' if loop.step else 'starting'} run {run!r} at step "
@@ -508,21 +508,29 @@ class _Data:
         iterator = iter(self.ds)
         resumable = hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
         if resumable and data_state is not None and skip:
-            iterator.set_state(data_state)
+            iterator.set_state(data_state["bytes"].encode() if "bytes" in data_state else data_state["state"])
         else:
-            iterator = itertools.islice(iterator, skip, None)
+            for _ in range(skip):  # (not islice: that would hide get_state)
+                next(iterator, None)
         limit = (self.steps_per_epoch - skip) if self.steps_per_epoch else None
         for i in itertools.count(skip):
             if limit is not None and i - skip >= limit:
                 return
             # The iterator's state is taken before the batch is fetched: it is the position to
             # restore if this batch was not yet trained on when a checkpoint is written.
-            position = _jsonable(iterator.get_state()) if resumable else None
+            position = _data_position(iterator.get_state()) if resumable else None
             try:
                 raw = next(iterator)
             except StopIteration:
                 return
             yield self._convert(raw, i), position
+
+
+def _data_position(state):
+    """An iterator state as JSON for the checkpoint; grain's DataLoader gives bytes of JSON."""
+    if isinstance(state, bytes):
+        return {"bytes": state.decode()}
+    return {"state": _jsonable(state)}
 
 
 def _grouped(batches, k, step, max_steps=None):
@@ -837,10 +845,6 @@ def _jsonable(tree):
     return json.loads(json.dumps(tree, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
-def _tx_name(tx):
-    return getattr(tx, "__qualname__", None) or type(tx).__name__
-
-
 def _hparam_value(v):
     return v if isinstance(v, (bool, int, float, str)) else str(v)
 
@@ -919,7 +923,7 @@ class _Loop:
             writer = SummaryWriter(self.history.log_dir, purge_step=self.step + 1 if self.step else 0)
             if self.step == 0:  # hparams once per run, at its start, so a crashed run shows them
                 tags = [f"train/{n}" for n in self.acc["sum"]] + [f"eval/{n}" for n in eval_names]
-                exp, ssi, _ = _hparams_summaries({k: _hparam_value(v) for k, v in used.items()},
+                exp, ssi, _ = _hparams_summaries({k: _hparam_value(v) for k, v in used.items() if v is not None},
                                                  {t: 0.0 for t in tags + [f"best/{cfg.monitor}"]})
                 writer._get_file_writer().add_summary(exp)
                 writer._get_file_writer().add_summary(ssi)
@@ -1015,6 +1019,8 @@ class _Loop:
                             f"checkpoint saved, continue with resume=True.")
         elif self.batch:
             self.end_epoch(complete=False)
+        if self.logger.writer is not None and not self.signals.reason:  # the HParams session ended well
+            self.logger.writer._get_file_writer().add_summary(_hparams_summaries({}, {})[2])
         self.mgr.wait_until_finished()
         self.hook("train_end", {})
 
