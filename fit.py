@@ -223,6 +223,9 @@ def load_ckpt(state, ckpt_dir, step=None):
         elif step == "best":
             meta = mgr.restore(max(steps), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             step = max(steps) if meta["best_step"] is None else meta["best_step"]
+            if step not in steps:
+                raise FileNotFoundError(f"load_ckpt: the best step {step} is no longer in {ckpt_dir} "
+                                        f"(it holds {sorted(steps)}); load one of those steps.")
         elif step not in steps:
             raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
                              f"{sorted(steps)} (or pass 'last' or 'best').")
@@ -1191,7 +1194,8 @@ class _Logger:
 
     def track_best(self, monitor, mode, value, step):
         best = self.meta["best"]
-        if best is None or (value > best if mode == "max" else value < best):
+        # A tie moves the best to the later step: orbax's BestN keeps the later of equal ones.
+        if best is None or (value >= best if mode == "max" else value <= best):
             self.meta.update(best=value, best_step=step)
         if self.writer is not None:
             self.writer.add_scalar(f"best/{monitor}", self.meta["best"], step)

@@ -597,3 +597,16 @@ def test_tensorboard_after_resume_shows_every_step_once(reader, case, boundary, 
         expected = [s for s, _ in tb_scalars(full.log_dir, tag)]
         assert expected and expected == list(range(expected[0], expected[-1] + 1, expected[0]))
         assert steps(resumed.log_dir, tag) == expected, tag
+
+
+def test_best_is_loadable_when_a_later_eval_ties(tmp_path, one_device_mesh):
+    """Equal eval scores: orbax keeps the later checkpoint, so 'best' must point at it."""
+    from conftest import MLP, make_state, loss_fn
+    rng = np.random.default_rng(0)
+    data = [(rng.normal(size=(16, 8, 8, 1)).astype(np.float32), rng.integers(0, 10, 16).astype(np.int32))
+            for _ in range(4)]
+    state, history = fit(make_state(MLP()), data, data[:1], loss_fn=loss_fn,
+                         eval_step=lambda s, b: 0.5, num_epochs=3, workdir=str(tmp_path),
+                         mesh=one_device_mesh)
+    best = load_ckpt(make_state(MLP()), history.ckpt_dir, "best")
+    assert int(best.step) == 12
