@@ -40,6 +40,7 @@ orbax checkpoints (the last and the best) under `<workdir>/checkpoints/<run>`, e
 import collections
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -127,6 +128,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     test = test_ds if test_ds is None else _Data(test_ds, "test_ds", batch_size, False, seed,
                                                  batch_keys, eval_step is not None, eval_steps)
     _check_batching(train, test, batch_size, mesh, data_axis)
+    _check_processes_agree(train, test)
     state = _prepare_state(state, seed, _state_shardings(state, state_sharding, mesh))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)  # (state, metric sums)
     lr_of = _lr_getter(state, lr_fn)
@@ -166,7 +168,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         loop.close()
         _say(loop.lead, f"fit: run {run} already finished at step {loop.step}; nothing to do.")
         return loop.state, history
-    used = {"num_epochs": num_epochs, "batch_size": train.batch_size, "devices": mesh.size,
+    used = {"num_epochs": num_epochs, "batch_size": train.batch_size * jax.process_count(), "devices": mesh.size,
             "seed": seed, "steps_per_epoch": spe, "max_steps": max_steps,
             "steps_per_jit": steps_per_jit, "monitor": monitor,
             **(hparams or {})}
@@ -424,6 +426,7 @@ class _Data:
             if steps_per_epoch:
                 self.length = min(self.length, steps_per_epoch)
             first = self._convert((x[:batch_size], y[:batch_size]), 0)
+            self.sizes = [min(batch_size, len(x) - i * batch_size) for i in range(self.length)]
         else:
             try:
                 iterator = iter(ds)
@@ -437,10 +440,11 @@ class _Data:
             except StopIteration:
                 raise ValueError(f"fit: {name} is empty: it yielded no batches.") from None
             first = self._convert(raw, 0)
+            self.sizes = None
             if isinstance(ds, (list, tuple)):  # in memory already: check every batch up front
                 self.spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), first)
-                for i, raw in enumerate(ds[1:], 1):
-                    self._convert(raw, i)
+                self.sizes = [jax.tree.leaves(first)[0].shape[0]] + [
+                    jax.tree.leaves(self._convert(raw, i))[0].shape[0] for i, raw in enumerate(ds[1:], 1)]
             if self.stream:
                 self.ds = itertools.chain([raw], iterator)
             else:
@@ -448,6 +452,14 @@ class _Data:
             self.length = len(ds) if hasattr(ds, "__len__") and not self.stream else None
         self.spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), first)
         self.batch_size = jax.tree.leaves(first)[0].shape[0]
+
+    def describe(self):
+        """What every process must agree on: batches per epoch ('?': not known before
+        iterating), how many of each size, and the first batch's shapes and dtypes."""
+        sizes = ", ".join(f"{k} of {n}" for n, k in sorted(collections.Counter(self.sizes or []).items()))
+        shapes = ", ".join(f"{s.shape} {s.dtype}" for s in jax.tree.leaves(self.spec))
+        return (f"{self.name}: {'?' if self.length is None else self.length} batches"
+                f"{f' ({sizes} rows)' if sizes else ''} shaped {shapes}")
 
     def _convert(self, batch, index):
         """A host batch as numpy arrays, with a clear error for anything else."""
@@ -587,8 +599,11 @@ def _put(mesh, replicated, data_axis, batch, stacked=False):
     same full batch, so results stay exact at the cost of redundant work on that one batch."""
     n = jax.tree.leaves(batch)[0].shape[int(stacked)]
     spec = P(None, data_axis) if stacked else P(data_axis)  # a stack of k: shard each batch
-    sharding = NamedSharding(mesh, spec) if n % mesh.shape[data_axis] == 0 else replicated
+    sharding = NamedSharding(mesh, spec) if n % _local_shards(mesh, data_axis) == 0 else replicated
     if jax.process_count() > 1:
+        if sharding is replicated:  # every device needs the whole global batch: gather all
+            batch = jax.tree.map(  # processes' rows (a host round trip, for one batch an epoch)
+                lambda a: np.concatenate(a, axis=int(stacked)), multihost_utils.process_allgather(batch))
         return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), batch)
     return jax.device_put(batch, sharding)
 
@@ -745,12 +760,42 @@ def _check_batching(train, test, batch_size, mesh, data_axis):
     if batch_size is not None and not (train.arrays or (test is not None and test.arrays)):
         raise ValueError(f"fit: batch_size={batch_size} is only for array data (x, y), but train_ds "
                          f"and test_ds yield their own batches; drop batch_size.")
-    n, d = train.batch_size, mesh.shape[data_axis]
+    n, d = train.batch_size, _local_shards(mesh, data_axis)
     if n % d:
         raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
                          f"devices ({d}) so every device gets an equal share; use a batch size of "
                          f"{n - n % d or d} or {n + d - n % d}. (Only a smaller last batch may "
                          f"split unevenly: it is run whole on every device.)")
+
+
+def _check_processes_agree(*datas):
+    """Every process must feed the same number of batches of the same shapes (its own share of
+    each global batch). A mismatch hangs in the first collective it reaches, or silently trains
+    on different global arrays on each process, so compare once, before the first step: every
+    process sees the same table and raises the same error."""
+    if jax.process_count() == 1:
+        return
+    mine = "; ".join(d.describe() for d in datas if d is not None).encode()
+    row = np.zeros(32 + 2048, np.uint8)  # a digest to compare, the text (cut) to show
+    row[:32] = np.frombuffer(hashlib.sha256(mine).digest(), np.uint8)
+    row[32:32 + len(mine[:2048])] = np.frombuffer(mine[:2048], np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row))
+    if (rows[:, :32] == rows[0, :32]).all():
+        return
+    listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
+                         for i, r in enumerate(rows))
+    raise ValueError(f"fit: the processes' data disagree:\n  {listed}\nEvery process must feed "
+                     f"the same number of batches, of the same shapes (its own share of each global "
+                     f"batch); otherwise the run hangs in a collective or trains on mismatched arrays.")
+
+
+@functools.lru_cache(maxsize=None)
+def _local_shards(mesh, axis):
+    """Over how many slices of `axis` this process's devices split its rows of a batch (the
+    whole axis in a single process)."""
+    i = mesh.axis_names.index(axis)
+    return len({idx[i] for idx in np.ndindex(mesh.devices.shape)
+                if mesh.devices[idx].process_index == jax.process_index()})
 
 
 def _check_positive_int(name, value, where="fit"):
@@ -779,17 +824,18 @@ def _pick_run(workdir, log_name, resume):
                 m = re.fullmatch(re.escape(log_name) + r"_(\d+)", entry)
                 if m:
                     taken.add(int(m.group(1)))
+    n, reuse, restored = max(taken, default=0) + 1, False, False
     if resume and taken:  # the latest run: from its checkpoint, or afresh if it saved none
-        last = f"{log_name}_{max(taken)}"
+        n, reuse = max(taken), True
         with contextlib.suppress(FileNotFoundError):
-            return last, any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints", last)))
-        return last, False
-    n = max(taken, default=0) + 1
-    if jax.process_count() > 1:  # every process must use process 0's choice
-        n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
-    for sub in ("logs", "checkpoints"):
-        os.makedirs(os.path.join(workdir, sub, f"{log_name}_{n}"), exist_ok=True)
-    return f"{log_name}_{n}", False
+            restored = any(d.isdigit() for d in os.listdir(os.path.join(workdir, "checkpoints", f"{log_name}_{n}")))
+    if jax.process_count() > 1:  # process 0's choice, by a collective that every process reaches
+        n, reuse, restored = (int(v) for v in multihost_utils.broadcast_one_to_all(
+            np.array([n, reuse, restored], np.int32)))
+    if not reuse:
+        for sub in ("logs", "checkpoints"):
+            os.makedirs(os.path.join(workdir, sub, f"{log_name}_{n}"), exist_ok=True)
+    return f"{log_name}_{n}", bool(restored)
 
 
 def _manager(ckpt_dir, monitor, mode, max_to_keep):
@@ -869,7 +915,7 @@ class _Stop:
     preemption notifier owns it and orbax's `reached_preemption` tells all processes."""
 
     def __init__(self):
-        self.reason, self.previous = None, {}
+        self.reason, self.previous, self.forwarded = None, {}, False
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -879,8 +925,14 @@ class _Stop:
         return self
 
     def _handle(self, sig, frame):
-        if self.reason and sig == signal.SIGINT:
+        if (self.reason or self.forwarded) and sig == signal.SIGINT:
             raise KeyboardInterrupt
+        if jax.process_count() > 1 and jax.config.jax_enable_preemption_service:
+            # Stopping here alone would leave the other processes waiting in the next
+            # collective: JAX's preemption notifier (which owns SIGTERM) picks one step for all.
+            self.forwarded = True
+            signal.raise_signal(signal.SIGTERM)
+            return
         self.reason = signal.Signals(sig).name
 
     def __exit__(self, *exc):
@@ -931,7 +983,7 @@ class _Loop:
                 writer._get_file_writer().add_summary(exp)
                 writer._get_file_writer().add_summary(ssi)
         self.logger = _Logger(writer, self.history, self.meta, self.lead, total, self.step,
-                              cfg.train.batch_size, cfg.on_nonfinite, cfg.lr_of is not None, self.hook)
+                              cfg.train.batch_size * jax.process_count(), cfg.on_nonfinite, cfg.lr_of is not None, self.hook)
 
     def before_batch(self, data_state):
         """Runs what is due before the next batch; returns True when the loop must stop here."""
