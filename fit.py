@@ -365,8 +365,9 @@ def _train_and_accumulate(step_fn, lr_of, on_nonfinite, state, acc, batch):
     metrics = _scalars(metrics, "train_step")
     finite = jnp.all(jnp.stack([jnp.isfinite(v) for v in metrics.values()] +
                                [jnp.all(jnp.isfinite(p)) for p in jax.tree.leaves(new_state.params)]))
-    if on_nonfinite == "skip":  # keep the old state on device, no host round trip
-        new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+    if on_nonfinite == "skip":  # keep the old state on device, no host round trip; the step
+        new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)  # counts on
+        new_state = new_state.replace(step=state.step + 1)
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     if acc is None:
@@ -976,12 +977,18 @@ class _Loop:
             # TensorBoard drops earlier points from this step on: the resumed run logs the steps
             # after its checkpoint again. (0 for a fresh run also clears a crashed attempt's.)
             writer = SummaryWriter(self.history.log_dir, purge_step=self.step + 1 if self.step else 0)
+            # tensorboardX queues events for a thread that flushes every 120 s, and flush() skips
+            # the queue: write events directly, so the flush before each checkpoint puts every
+            # step logged so far on disk, and a killed run loses no logs that its resume skips.
+            events = writer._get_file_writer().event_writer
+            events.add_event = events._ev_writer.write_event
             if self.step == 0:  # hparams once per run, at its start, so a crashed run shows them
                 tags = [f"train/{n}" for n in self.acc["sum"]] + [f"eval/{n}" for n in eval_names]
                 exp, ssi, _ = _hparams_summaries({k: _hparam_value(v) for k, v in used.items() if v is not None},
                                                  {t: 0.0 for t in tags + [f"best/{cfg.monitor}"]})
                 writer._get_file_writer().add_summary(exp)
                 writer._get_file_writer().add_summary(ssi)
+                writer.flush()
         self.logger = _Logger(writer, self.history, self.meta, self.lead, total, self.step,
                               cfg.train.batch_size * jax.process_count(), cfg.on_nonfinite, cfg.lr_of is not None, self.hook)
 
@@ -1059,6 +1066,8 @@ class _Loop:
         self.acc = self.logger.flush(self.acc, self.cfg.acc0, self.step)
         self.meta.update(epoch=self.epoch, batch=self.batch,
                          data_state=self.data_state if self.batch else None)
+        if self.logger.writer is not None:
+            self.logger.writer.flush()
         with self.logger.timed("save"):
             self.mgr.save(self.step, metrics=None if value is None else {self.cfg.monitor: value},
                           args=ocp.args.Composite(state=ocp.args.StandardSave(self.state),
@@ -1193,8 +1202,8 @@ class _Logger:
     def _log_interval(self, step):
         if step == self.step_log:
             return
-        n = self.interval["n"]
-        means = {f"train/{k}": v / max(n, 1) for k, v in self.interval["sum"].items()}
+        n = self.interval["n"]  # (0 when every step of the interval was skipped: no means)
+        means = {f"train/{k}": v / n for k, v in self.interval["sum"].items()} if n else {}
         if self.lr is not None:
             means["train/lr"] = self.lr
         if self.skipping:
@@ -1223,10 +1232,10 @@ class _Logger:
     def end_epoch(self, epoch, step):
         """Logs the last interval and appends the epoch's means to the history."""
         self._log_interval(step)
-        n = max(self.epoch_acc["n"], 1)
+        n = self.epoch_acc["n"]  # (0 if every step was skipped as non-finite: NaN, not a fake 0)
         self.history["epoch"].append(epoch + 1)
         self.history["step"].append(step)
-        row = {f"train/{k}": v / n for k, v in self.epoch_acc["sum"].items()}
+        row = {f"train/{k}": v / n if n else float("nan") for k, v in self.epoch_acc["sum"].items()}
         if self.skipping:
             row["train/skipped_steps"] = self.meta["skipped"]
         for k, v in row.items():
