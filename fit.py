@@ -128,6 +128,9 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     test = test_ds if test_ds is None else _Data(test_ds, "test_ds", batch_size, False, seed,
                                                  batch_keys, eval_step is not None, eval_steps)
     _check_batching(train, test, batch_size, mesh, data_axis)
+    if jax.process_count() > 1 and train.length is None and not (steps_per_epoch or max_steps):
+        raise ValueError("fit: with several processes, a train_ds without len() (a generator) needs "
+                         "steps_per_epoch= or max_steps=, so that every process runs the same steps.")
     _check_processes_agree(train, test)
     state = _prepare_state(state, seed, _state_shardings(state, state_sharding, mesh))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)  # (state, metric sums)
