@@ -1,0 +1,627 @@
+"""Benchmarks fit.py against the minimal hand-written JAX loops it replaces.
+
+    python benchmarks/bench.py                 # the full run (~15 min on 2 idle CPU cores)
+    python benchmarks/bench.py --quick         # a smoke test with tiny sizes (< 2 min)
+    python benchmarks/bench.py --models cnn --repeats 5 --steps 200 --whole-seconds 30
+    python benchmarks/bench.py --fit /tmp/other_fit.py   # measure another version of fit.py
+
+Every model trains on the same in-memory synthetic MNIST-shaped data (28x28x1 float32, 10
+classes, batch 128, made with numpy from a fixed seed) with optax.adam(1e-3), by:
+
+  hand        one `jax.jit` train step that donates the state, no logging, one
+              `block_until_ready` at the end;
+  hand_scan   a `lax.scan` of 10 steps per jitted call, fully unrolled (`unroll=True`);
+  fit         `fit()` with its defaults: progress bar, TensorBoard, a checkpoint every epoch;
+  fit_scan    `fit(..., steps_per_jit=10)`.
+
+For the BatchNorm + Dropout model the hand loops do the work of fit's default train step:
+`mutable=["batch_stats"]` and a dropout key `fold_in(rng, step)`.
+
+Each measured run is its own subprocess (so peak RSS and compile caches are its own); this
+process only orchestrates. Runs alternate (hand, fit, hand, fit, ...; the order of each pair
+flips every repeat, so a drift of the machine's speed hits both sides), and every ratio is the
+median over repeats of the ratio within one adjacent pair.
+
+Figures:
+  steady steps/s  hand loops: the steps after the first (compiling) call, over their time;
+                  fit: `history.timing["steady_steps_per_s"]` (compile, eval and blocking save
+                  time left out).
+  compile s       hand loops: the first call including its `block_until_ready`; fit:
+                  `history.timing["compile_s"]`.
+  wall s          the whole call (fit: `fit(...)` itself; hand: first call to the final block).
+  ms/save         fit: `save_s / save_count`, the blocking part of each asynchronous save.
+  peak RSS        `ru_maxrss` of the run's own process at its end.
+
+The whole-call scenario (CNN by default) trains for about `--whole-seconds` with an eval of a
+small test set every epoch: fit's whole call (including its checkpoint every epoch) against a
+hand loop that does the same evals but writes no checkpoints.
+
+Writes benchmarks/results/latest.json and latest.md (quick.json and quick.md with --quick). The
+machine's load average is recorded at the start and end: on a shared machine the spread of the
+hand loop's own repeats (shown as min–max) says how much to trust a ratio.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BATCH = 128
+K = 10  # steps per jitted call for hand_scan and fit_scan (2 with --quick: a 10-step unrolled
+        # convolutional scan took 10-30 s to compile here, too long for a smoke test)
+WHOLE_EPOCHS = 5
+WHOLE_TEST_SIZE = 512
+
+# Per model: total steps of a steady run and steps per epoch (fit checkpoints every epoch).
+# The convolutional models run ~3-8 steps/s on 2 CPU cores (and take 2-30 s to compile); the
+# MLP is dispatch-bound, so it gets MNIST-sized epochs (470 batches of 128 = 60160 examples) and
+# many more steps.
+DEFAULTS = {"cnn": (60, 30), "cnn_bn_dropout": (60, 30), "mlp": (4700, 470)}
+QUICK = {"cnn": (8, 4), "cnn_bn_dropout": (8, 4), "mlp": (200, 100)}
+LABELS = {"cnn": "CNN", "cnn_bn_dropout": "CNN-BN-Dropout", "mlp": "tiny MLP"}
+PAIRS = (("hand", "fit"), ("hand_scan", "fit_scan"))
+
+# Targets: (what, threshold, direction). Ratios are fit / hand (steps/s, RSS, compile) and
+# hand wall / fit wall for the whole call, so ">=" targets are speeds and "<=" targets costs.
+STEADY_TARGET = {"cnn": 0.98, "cnn_bn_dropout": 0.98, "mlp": 0.95}
+SCAN_TARGET = {"cnn": 0.97, "cnn_bn_dropout": 0.97}
+WHOLE_TARGET = 0.97
+SAVE_MS_TARGET = {"cnn": 50.0}
+RSS_TARGET = 1.1
+COMPILE_TARGET = 1.2
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker: one measured run, in its own process.
+
+def _models():
+    import flax.linen as nn
+
+    class CNN(nn.Module):
+        bn_dropout: bool = False
+
+        @nn.compact
+        def __call__(self, x, train):
+            for features in (32, 64):
+                x = nn.Conv(features, (3, 3))(x)
+                if self.bn_dropout:
+                    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+                x = nn.avg_pool(nn.relu(x), (2, 2), strides=(2, 2))
+            x = nn.relu(nn.Dense(256)(x.reshape(x.shape[0], -1)))
+            if self.bn_dropout:
+                x = nn.Dropout(0.5, deterministic=not train)(x)
+            return nn.Dense(10)(x)
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            return nn.Dense(10)(nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
+
+    return {"cnn": CNN(), "cnn_bn_dropout": CNN(bn_dropout=True), "mlp": MLP()}
+
+
+def _data(n, seed):
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    x = rng.random((n, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype(np.int32)
+    return x, y
+
+
+def _loss_fn(logits, labels):
+    import optax
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _eval_step(state, batch):
+    x, y = batch
+    variables = {"params": state.params}
+    if state.batch_stats:
+        variables["batch_stats"] = state.batch_stats
+    return (state.apply_fn(variables, x, train=False).argmax(-1) == y).mean()
+
+
+def worker(spec):
+    """Runs one method on one model and returns its measurements (a JSON-able dict)."""
+    import jax
+    import numpy as np
+    import optax
+
+    model = _models()[spec["model"]]
+    spe, epochs, method = spec["steps_per_epoch"], spec["epochs"], spec["method"]
+    x, y = _data(spe * BATCH, seed=0)
+    test = _data(spec["test_size"], seed=1) if spec["test_size"] else None
+    # Jitted: one compile instead of one per op (eager init of the CNN took ~4 s here).
+    variables = jax.jit(model.init, static_argnames="train")(jax.random.key(0), x[:1], train=False)
+    params, batch_stats = variables["params"], variables.get("batch_stats", {})
+    tx = optax.adam(1e-3)
+    if method.startswith("fit"):
+        out = _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs)
+    else:
+        out = _run_hand(spec, model, params, batch_stats, tx, x, y, test, epochs)
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["loadavg_1min_end"] = os.getloadavg()[0]
+    return out
+
+
+def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
+    import jax
+    sys.path.insert(0, spec["fit_dir"])  # the snapshot of fit.py taken when the benchmark began
+    from fit import TrainState, fit
+
+    state = TrainState.create(apply_fn=model.apply, params=params, batch_stats=batch_stats, tx=tx)
+    workdir = spec["workdir"]
+    t0 = time.perf_counter()
+    state, history = fit(state, (x, y), test, loss_fn=_loss_fn,
+                         eval_step=_eval_step if test else None, num_epochs=epochs,
+                         batch_size=BATCH, workdir=workdir, log_name="bench",
+                         steps_per_jit=spec["k"] if spec["method"] == "fit_scan" else 1)
+    jax.block_until_ready(state)
+    wall = time.perf_counter() - t0
+    timing = dict(history.timing)
+    saves = timing.get("save_count") or 0
+    return {"steady_steps_per_s": timing["steady_steps_per_s"], "compile_s": timing["compile_s"],
+            "wall_s": wall, "steps": timing["steps"],
+            "save_ms": 1000 * timing["save_s"] / saves if saves else None,
+            "eval": history.get("eval/accuracy"), "timing": timing}
+
+
+def _run_hand(spec, model, params, batch_stats, tx, x, y, test, epochs):
+    """The loop people write by hand: a jitted step that donates the state, numpy batches from a
+    fresh permutation each epoch, no logging, one block at the end (plus evals, if asked)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import struct
+    from flax.training import train_state
+
+    class State(train_state.TrainState):
+        batch_stats: dict = struct.field(default_factory=dict)
+
+    has_bs = bool(jax.tree.leaves(batch_stats))
+    state = State.create(apply_fn=model.apply, params=params, batch_stats=batch_stats, tx=tx)
+    rng = jax.random.key(0)
+
+    def train_step(state, batch, rng):
+        inputs, labels = batch
+
+        def loss_of(params):
+            if has_bs:  # fit's default step: mutable batch_stats and a per-step dropout key
+                logits, updates = state.apply_fn(
+                    {"params": params, "batch_stats": state.batch_stats}, inputs, train=True,
+                    mutable=["batch_stats"], rngs={"dropout": jax.random.fold_in(rng, state.step)})
+                return _loss_fn(logits, labels), updates["batch_stats"]
+            return _loss_fn(state.apply_fn({"params": params}, inputs, train=True), labels), None
+
+        (loss, new_bs), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        state = state.apply_gradients(grads=grads)
+        if has_bs:
+            state = state.replace(batch_stats=new_bs)
+        return state, loss
+
+    k = spec["k"] if spec["method"] == "hand_scan" else 1
+    if k == 1:
+        step = jax.jit(train_step, donate_argnums=0)
+    else:
+        step = jax.jit(lambda state, batches, rng: jax.lax.scan(
+            lambda s, b: train_step(s, b, rng), state, batches, unroll=True), donate_argnums=0)
+
+    def eval_sum(state, correct, batch):
+        return correct + _eval_step(state, batch) * batch[0].shape[0]
+    eval_fn = jax.jit(eval_sum)
+
+    n, spe = len(x), len(x) // BATCH
+    accuracies, compile_s = [], None
+    t0 = time.perf_counter()
+    for epoch in range(epochs):
+        order = np.random.default_rng([0, epoch]).permutation(n)
+        for i in range(0, spe, k):
+            idx = order[i * BATCH:(i + k) * BATCH]
+            batch = (x[idx], y[idx])
+            if k > 1:
+                batch = (batch[0].reshape(k, BATCH, *x.shape[1:]), batch[1].reshape(k, BATCH))
+            state, loss = step(state, batch, rng)
+            if compile_s is None:
+                jax.block_until_ready(state)
+                t1 = time.perf_counter()
+                compile_s = t1 - t0
+        if test is not None:  # the same evals as fit: the whole test set, read once per epoch
+            correct = jnp.float32(0)
+            for j in range(0, len(test[0]), BATCH):
+                correct = eval_fn(state, correct, (test[0][j:j + BATCH], test[1][j:j + BATCH]))
+            accuracies.append(float(correct) / len(test[0]))
+    jax.block_until_ready(state)
+    t2 = time.perf_counter()
+    steps = epochs * spe
+    return {"steady_steps_per_s": (steps - k) / (t2 - t1) if steps > k else None,
+            "compile_s": compile_s, "wall_s": t2 - t0, "steps": steps, "save_ms": None,
+            "eval": accuracies or None}
+
+
+# ----------------------------------------------------------------------------------------------
+# The orchestrator.
+
+def run_one(spec, log_dir):
+    """Runs `spec` in a fresh subprocess with its own temp workdir; returns its result dict."""
+    workdir = tempfile.mkdtemp(prefix=f"fitbench-{spec['model']}-{spec['method']}-")
+    spec = dict(spec, workdir=workdir)
+    out_path = os.path.join(workdir, "result.json")
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    log_path = os.path.join(log_dir, f"{spec['scenario']}-{spec['model']}-{spec['method']}-"
+                                     f"r{spec['repeat']}.log")
+    t = time.perf_counter()
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.run([sys.executable, os.path.join(spec["fit_dir"], "bench.py"), "--worker",
+                                   json.dumps(spec), "--worker-out", out_path],
+                                  stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=env)
+        if proc.returncode != 0:
+            with open(log_path) as f:
+                tail = f.read()[-3000:]
+            raise RuntimeError(f"worker {spec['model']}/{spec['method']} failed with exit code "
+                               f"{proc.returncode}; its log ({log_path}) ends:\n{tail}")
+        with open(out_path) as f:
+            result = json.load(f)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result["process_s"] = time.perf_counter() - t
+    return result
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def verdict(value, threshold, at_least):
+    if value is None or threshold is None:
+        return ""
+    ok = value >= threshold if at_least else value <= threshold
+    return "PASS" if ok else "FAIL"
+
+
+def machine_info():
+    import jax
+    import flax
+    import optax
+    import orbax.checkpoint as ocp
+    return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+            "orbax": getattr(ocp, "__version__", "?"), "backend": jax.default_backend(),
+            "device_count": jax.device_count(), "devices": str(jax.devices()),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "processor": _cpu_name(),
+            "loadavg_start": os.getloadavg()}
+
+
+def _fit_version(path):
+    """The fit.py measured: its sha256 and how it relates to the repo's HEAD."""
+    import hashlib
+    with open(path, "rb") as f:
+        data = f.read()
+    out = f"sha256 {hashlib.sha256(data).hexdigest()[:12]}"
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        committed = subprocess.run(["git", "show", "HEAD:fit.py"], cwd=ROOT, capture_output=True,
+                                   check=True).stdout
+        out += f", repo HEAD {head}" + (" (same as HEAD's fit.py)" if committed == data else
+                                        " (differs from HEAD's fit.py)")
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return out
+
+
+def _cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(DEFAULTS),
+                        help=f"comma-separated, from {','.join(DEFAULTS)} (default: all)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="train steps of each steady run, all models (a multiple of 10; "
+                             "default per model: " + ", ".join(f"{m} {s}" for m, (s, _) in DEFAULTS.items()) + ")")
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
+    parser.add_argument("--whole-seconds", type=float, default=None,
+                        help="target length of the whole-call run (default 20; 2 with --quick); "
+                             "0 skips it")
+    parser.add_argument("--whole-models", default="cnn", help="models of the whole-call scenario")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes and 2 steps per jitted call: a smoke test (< 2 min)")
+    parser.add_argument("--fit", default=os.path.join(ROOT, "fit.py"),
+                        help="the fit.py to measure (default: the repo's); it is copied when the "
+                             "benchmark starts, so edits during a run do not mix versions")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"),
+                        help="where the results go: latest.json and latest.md (quick.json and "
+                             "quick.md with --quick, so a smoke test never overwrites a full run)")
+    parser.add_argument("--render", metavar="JSON",
+                        help="only rewrite the markdown table next to JSON from its recorded runs")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        result = worker(json.loads(args.worker))
+        with open(args.worker_out, "w") as f:
+            json.dump(result, f)
+        return
+    if args.render:
+        with open(args.render) as f:
+            old = json.load(f)
+        report = summarize(old["runs"], list(old["steady"]), {m: {k: w[k] for k in (
+            "steps_per_epoch", "epochs", "steps", "rate_used")} for m, w in old["whole"].items()},
+            old["repeats"], old["steps_per_jit"], old["machine"], old["args"])
+        with open(args.render, "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
+            f.write(markdown(report))
+        print(markdown(report))
+        return
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    whole_models = [m.strip() for m in args.whole_models.split(",") if m.strip()]
+    for m in models + whole_models:
+        if m not in DEFAULTS:
+            parser.error(f"unknown model {m!r}; choose from {', '.join(DEFAULTS)}")
+    k = 2 if args.quick else K
+    if args.steps is not None and (args.steps < 2 * k or args.steps % k):
+        parser.error(f"--steps must be a multiple of {k} and at least {2 * k}, got {args.steps}")
+    repeats = args.repeats or (1 if args.quick else 3)
+    whole_seconds = args.whole_seconds if args.whole_seconds is not None else (2 if args.quick else 20)
+    sizes = QUICK if args.quick else DEFAULTS
+
+    os.makedirs(args.out, exist_ok=True)
+    log_dir = tempfile.mkdtemp(prefix="fitbench-logs-")
+    fit_dir = os.path.join(log_dir, "fit_snapshot")
+    os.makedirs(fit_dir)
+    shutil.copyfile(args.fit, os.path.join(fit_dir, "fit.py"))
+    shutil.copyfile(os.path.abspath(__file__), os.path.join(fit_dir, "bench.py"))  # the workers
+    info = machine_info()
+    info["fit"] = _fit_version(args.fit)
+    print(f"bench: jax {info['jax']} on {info['backend']} ({info['device_count']} device(s), "
+          f"{info['cpu_count']} CPUs); load average {info['loadavg_start'][0]:.2f}; worker logs "
+          f"in {log_dir}", flush=True)
+    t_start = time.perf_counter()
+    runs = []  # every measured run, with its spec
+
+    def measure(spec):
+        print(f"  {spec['scenario']:6s} {spec['model']:15s} {spec['method']:10s} repeat "
+              f"{spec['repeat'] + 1}/{repeats} ... ", end="", flush=True)
+        result = run_one(spec, log_dir)
+        runs.append({**spec, **result})
+        rate = result["steady_steps_per_s"]
+        print(f"{rate or float('nan'):8.2f} steps/s, compile {result['compile_s']:.2f} s, wall "
+              f"{result['wall_s']:.1f} s, RSS {result['peak_rss_mb']:.0f} MB", flush=True)
+        return result
+
+    # 1. Steady rate, compile time, saves and RSS: per model, pairs alternate within a repeat.
+    for model in models:
+        steps, spe = sizes[model]
+        if args.steps is not None:
+            steps, spe = args.steps, min(spe, args.steps)
+        spe = max(k, spe // k * k)
+        epochs = max(1, steps // spe)
+        for r in range(repeats):
+            for pair in PAIRS:
+                for method in (pair if r % 2 == 0 else pair[::-1]):
+                    measure({"scenario": "steady", "model": model, "method": method, "repeat": r,
+                             "steps_per_epoch": spe, "epochs": epochs, "test_size": 0,
+                             "k": k, "fit_dir": fit_dir})
+
+    # 2. The whole call: ~whole_seconds of training with an eval every epoch. The number of
+    # steps comes from the hand loop's steady rate measured above (or a short calibration run).
+    whole = {}
+    if whole_seconds > 0:
+        for model in whole_models:
+            rates = [r["steady_steps_per_s"] for r in runs
+                     if r["scenario"] == "steady" and r["model"] == model and r["method"] == "hand"]
+            if not rates:
+                steps, spe = QUICK[model]
+                rates = [measure({"scenario": "calib", "model": model, "method": "hand",
+                                  "repeat": 0, "steps_per_epoch": spe, "epochs": steps // spe,
+                                  "test_size": 0, "k": k, "fit_dir": fit_dir})["steady_steps_per_s"]]
+            rate = median(rates)
+            spe = max(k, -(-int(whole_seconds * rate / WHOLE_EPOCHS) // k) * k)
+            whole[model] = {"steps_per_epoch": spe, "epochs": WHOLE_EPOCHS,
+                            "steps": spe * WHOLE_EPOCHS, "rate_used": rate}
+            print(f"bench: whole call for {model}: {WHOLE_EPOCHS} epochs of {spe} steps "
+                  f"(~{spe * WHOLE_EPOCHS / rate:.0f} s at {rate:.2f} steps/s), eval of "
+                  f"{WHOLE_TEST_SIZE} examples every epoch", flush=True)
+            for r in range(repeats):
+                for method in (("hand", "fit") if r % 2 == 0 else ("fit", "hand")):
+                    measure({"scenario": "whole", "model": model, "method": method, "repeat": r,
+                             "steps_per_epoch": spe, "epochs": WHOLE_EPOCHS,
+                             "test_size": WHOLE_TEST_SIZE, "k": k, "fit_dir": fit_dir})
+
+    info["loadavg_end"] = os.getloadavg()
+    info["bench_s"] = time.perf_counter() - t_start
+    report = summarize(runs, models, whole, repeats, k, info, vars(args))
+    stem = "quick" if args.quick else "latest"
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = markdown(report)
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
+        f.write(md)
+    print("\n" + md)
+    shutil.rmtree(log_dir, ignore_errors=True)
+    print(f"bench: wrote {os.path.join(args.out, stem + '.json')} and {stem}.md in "
+          f"{info['bench_s']:.0f} s", flush=True)
+
+
+def summarize(runs, models, whole, repeats, k, info, args):
+    """Medians per (scenario, model, method), and ratios as medians of within-pair ratios."""
+    def pick(scenario, model, method, repeat=None):
+        return [r for r in runs if r["scenario"] == scenario and r["model"] == model
+                and r["method"] == method and (repeat is None or r["repeat"] == repeat)]
+
+    def med(scenario, model, method, key):
+        return median([r[key] for r in pick(scenario, model, method)])
+
+    def paired(scenario, model, fit_method, hand_method, key, invert=False):
+        values = []
+        for rep in range(repeats):
+            f, h = pick(scenario, model, fit_method, rep), pick(scenario, model, hand_method, rep)
+            if f and h:
+                values.append(ratio(h[0][key], f[0][key]) if invert else ratio(f[0][key], h[0][key]))
+        return median(values)
+
+    steady = {}
+    for model in models:
+        methods = {}
+        for method in ("hand", "fit", "hand_scan", "fit_scan"):
+            methods[method] = {key: med("steady", model, method, key) for key in
+                               ("steady_steps_per_s", "compile_s", "wall_s", "save_ms", "peak_rss_mb")}
+            rates = [r["steady_steps_per_s"] for r in pick("steady", model, method)
+                     if r["steady_steps_per_s"] is not None]
+            methods[method]["steady_range"] = [min(rates), max(rates)] if rates else None
+        ratios = {}
+        for hand, fit_m in PAIRS:
+            ratios[fit_m] = {
+                "steady": paired("steady", model, fit_m, hand, "steady_steps_per_s"),
+                "compile": paired("steady", model, fit_m, hand, "compile_s"),
+                "wall_speed": paired("steady", model, fit_m, hand, "wall_s", invert=True),
+                "rss": paired("steady", model, fit_m, hand, "peak_rss_mb")}
+        steady_target = STEADY_TARGET.get(model)
+        scan_target = SCAN_TARGET.get(model)
+        save_target = SAVE_MS_TARGET.get(model)
+        targets = {
+            "fit_steady": [ratios["fit"]["steady"], steady_target, ">=",
+                           verdict(ratios["fit"]["steady"], steady_target, True)],
+            "fit_scan_steady": [ratios["fit_scan"]["steady"], scan_target, ">=",
+                                 verdict(ratios["fit_scan"]["steady"], scan_target, True)],
+            "fit_compile": [ratios["fit"]["compile"], COMPILE_TARGET, "<=",
+                            verdict(ratios["fit"]["compile"], COMPILE_TARGET, False)],
+            "fit_rss": [ratios["fit"]["rss"], RSS_TARGET, "<=",
+                        verdict(ratios["fit"]["rss"], RSS_TARGET, False)],
+            "fit_scan_rss": [ratios["fit_scan"]["rss"], RSS_TARGET, "<=",
+                              verdict(ratios["fit_scan"]["rss"], RSS_TARGET, False)],
+            "fit_save_ms": [methods["fit"]["save_ms"], save_target, "<=",
+                            verdict(methods["fit"]["save_ms"], save_target, False)],
+        }
+        some = pick("steady", model, "fit")
+        steady[model] = {"steps": some[0]["steps"] if some else None,
+                         "steps_per_epoch": some[0]["steps_per_epoch"] if some else None,
+                         "methods": methods, "ratios": ratios, "targets": targets}
+
+    whole_out = {}
+    for model, cfg in whole.items():
+        speed = paired("whole", model, "fit", "hand", "wall_s", invert=True)
+        whole_out[model] = {**cfg, "hand_wall_s": med("whole", model, "hand", "wall_s"),
+                            "fit_wall_s": med("whole", model, "fit", "wall_s"),
+                            "fit_save_ms": med("whole", model, "fit", "save_ms"),
+                            "fit_eval_s": median([r["timing"]["eval_s"] for r in pick("whole", model, "fit")]),
+                            "speed_ratio": speed,
+                            "target": [speed, WHOLE_TARGET, ">=", verdict(speed, WHOLE_TARGET, True)]}
+
+    return {"machine": info, "args": {k: v for k, v in args.items() if not k.startswith("worker")},
+            "repeats": repeats, "batch_size": BATCH, "steps_per_jit": k,
+            "steady": steady, "whole": whole_out, "runs": runs}
+
+
+def _f(value, digits=2, suffix=""):
+    return "—" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _target_cell(target):
+    value, threshold, op, result = target
+    if threshold is None:
+        return _f(value, 3, "x")
+    return f"{_f(value, 3, 'x')} {result} ({op} {threshold})"
+
+
+def markdown(report):
+    info, k = report["machine"], report["steps_per_jit"]
+    lines = [
+        "# fit.py benchmark",
+        "",
+        f"- date: {info['date']}",
+        f"- jax {info['jax']}, flax {info['flax']}, optax {info['optax']}, orbax "
+        f"{info['orbax']}, python {info['python']}",
+        f"- fit.py measured: {info['fit']}",
+        f"- backend: {info['backend']}, device count: {info['device_count']}, CPU count: "
+        f"{info['cpu_count']} ({info['processor']})",
+        f"- load average (1 min) at start / end: {info['loadavg_start'][0]:.2f} / "
+        f"{info['loadavg_end'][0]:.2f}; benchmark took {info['bench_s']:.0f} s",
+        f"- batch {report['batch_size']}, synthetic 28x28x1 float32, 10 classes, optax.adam(1e-3); "
+        f"median of {report['repeats']} repeat(s); each run in its own process; runs alternate "
+        f"hand/fit and each ratio is the median of within-pair ratios",
+        "",
+        "## Steady training",
+        "",
+        "| model | method | steady steps/s (min–max) | ratio (target) | compile s | compile ratio (target) "
+        "| wall s | ms/save | peak RSS MB | RSS ratio (target) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model, s in report["steady"].items():
+        m, rt, t = s["methods"], s["ratios"], s["targets"]
+        name = f"{LABELS[model]} ({s['steps']} steps, {s['steps_per_epoch']}/epoch)"
+        rows = [
+            ("hand (jit, k=1)", m["hand"], "1 (baseline)", "1 (baseline)", "1 (baseline)"),
+            ("fit defaults", m["fit"], _target_cell(t["fit_steady"]), _target_cell(t["fit_compile"]),
+             _target_cell(t["fit_rss"])),
+            (f"hand scan k={k} unrolled", m["hand_scan"], "1 (baseline)",
+             "1 (baseline)", "1 (baseline)"),
+            (f"fit steps_per_jit={k}", m["fit_scan"], _target_cell(t["fit_scan_steady"]),
+             _f(rt["fit_scan"]["compile"], 3, "x"), _target_cell(t["fit_scan_rss"])),
+        ]
+        for label, v, steady_cell, compile_cell, rss_cell in rows:
+            save = _f(v["save_ms"], 1)
+            if label == "fit defaults" and t["fit_save_ms"][1] is not None:
+                save = f"{save} {t['fit_save_ms'][3]} (<= {t['fit_save_ms'][1]:.0f})"
+            spread = v.get("steady_range")
+            rate = _f(v["steady_steps_per_s"]) + (f" ({spread[0]:.2f}–{spread[1]:.2f})"
+                                                   if spread and spread[0] != spread[1] else "")
+            lines.append(f"| {name} | {label} | {rate} | {steady_cell} | "
+                         f"{_f(v['compile_s'])} | {compile_cell} | {_f(v['wall_s'], 1)} | {save} | "
+                         f"{_f(v['peak_rss_mb'], 0)} | {rss_cell} |")
+    lines += ["",
+              "Ratios: fit / hand for steady steps/s, compile time and peak RSS; fit defaults pair "
+              f"with the k=1 hand loop, steps_per_jit={k} with the unrolled k={k} scan. ms/save is the "
+              "blocking part of fit's asynchronous orbax save (save_s / save_count). Wall s is the "
+              "whole call of that run (fit: including its checkpoints and writer setup).", ""]
+    if report["whole"]:
+        lines += ["## Whole call", "",
+                  "fit's whole call (progress bar, TensorBoard, an orbax checkpoint every epoch, "
+                  "eval every epoch) against a hand loop that does the same evals but saves NO "
+                  "checkpoints. Ratio = hand wall / fit wall (higher is better for fit).", "",
+                  "| model | steps (epochs x steps) | test examples | hand wall s | fit wall s | "
+                  "fit ms/save | fit eval s | ratio (target) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for model, w in report["whole"].items():
+            lines.append(f"| {LABELS[model]} | {w['steps']} ({w['epochs']} x {w['steps_per_epoch']}) "
+                         f"| {WHOLE_TEST_SIZE} | {_f(w['hand_wall_s'], 1)} | {_f(w['fit_wall_s'], 1)} "
+                         f"| {_f(w['fit_save_ms'], 1)} | {_f(w['fit_eval_s'], 2)} "
+                         f"| {_target_cell(w['target'])} |")
+        lines.append("")
+    fails = [f"{LABELS[m]} {k}" for m, s in report["steady"].items()
+             for k, t in s["targets"].items() if t[3] == "FAIL"]
+    fails += [f"{LABELS[m]} whole call" for m, w in report["whole"].items() if w["target"][3] == "FAIL"]
+    lines += [f"**Targets failed:** {', '.join(fails)}" if fails else "**All targets passed.**", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
