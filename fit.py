@@ -368,16 +368,17 @@ def _train_and_accumulate(step_fn, lr_of, on_nonfinite, state, acc, batch):
     metrics = _scalars(metrics, "train_step")
     # One norm over the new parameters is NaN/Inf whenever any of them is (an isfinite per
     # array compiled ~25% slower on a CNN).
-    checked = list(metrics.values()) + [optax.tree.norm(new_state.params)]
-    finite = jnp.all(jnp.isfinite(jnp.stack(checked)))
+    checked = {**metrics, "parameters": optax.tree.norm(new_state.params)}
+    bad = {k: ~jnp.isfinite(v) for k, v in checked.items()}  # which ones, for the error message
+    finite = ~jnp.any(jnp.stack(list(bad.values())))
     if on_nonfinite == "skip":  # keep the old state on device, no host round trip; the step
         new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)  # counts on
         new_state = new_state.replace(step=state.step + 1)
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     if acc is None:
-        acc = _zeros({"sum": metrics, "n": jnp.int32(0), "bad": jnp.int32(0),
-                      "first_bad": jnp.int32(0), "lr": jnp.float32(0)})
+        acc = _zeros({"sum": metrics, "n": jnp.int32(0), "bad": jnp.int32(0), "first_bad": jnp.int32(0),
+                      "bad_by": {k: jnp.int32(0) for k in bad}, "lr": jnp.float32(0)})
     metrics_ok = {k: jnp.where(finite, v, 0.0) for k, v in metrics.items()} if on_nonfinite == "skip" else metrics
     lr = acc["lr"] if lr_of is None else jnp.asarray(lr_of(new_state), jnp.float32)
     return new_state, {
@@ -385,6 +386,7 @@ def _train_and_accumulate(step_fn, lr_of, on_nonfinite, state, acc, batch):
         "n": acc["n"] + jnp.where(finite | (on_nonfinite == "raise"), 1, 0).astype(jnp.int32),
         "bad": acc["bad"] + (~finite).astype(jnp.int32),
         "first_bad": jnp.where((acc["bad"] == 0) & ~finite, state.step.astype(jnp.int32), acc["first_bad"]),
+        "bad_by": {k: acc["bad_by"][k] + v.astype(jnp.int32) for k, v in bad.items()},
         "lr": lr,
     }
 
@@ -1192,11 +1194,11 @@ class _Logger:
 
     def _add(self, acc, step):
         if acc["bad"] and not self.skipping:
+            what = ", ".join(sorted((k for k, v in acc["bad_by"].items() if v), key=lambda k: k != "loss"))
             raise FloatingPointError(
-                f"fit: a non-finite loss, metric or parameter appeared at step "
-                f"{int(acc['first_bad']) + 1} (found by step {step}); no checkpoint was written "
-                f"after it. Lower the learning rate, check the data, or pass on_nonfinite='skip' "
-                f"to drop such updates.")
+                f"fit: non-finite values (NaN or Inf) in {what} at step {int(acc['first_bad']) + 1} "
+                f"(checked by step {step}); no checkpoint was written after it. Lower the learning "
+                f"rate, check the data, or pass on_nonfinite='skip' to drop such updates.")
         for target in (self.interval, self.epoch_acc):
             for k, v in acc["sum"].items():
                 target["sum"][k] = target["sum"].get(k, 0.0) + float(v)
