@@ -53,3 +53,11 @@ def test_save_on_8_devices_restore_and_continue_on_fewer(tmp_path, devices):
                        workdir=str(tmp_path), log_name="move")
     assert h.run == h8.run and h["step"] == [8, 16] and int(continued.step) == 16
     assert continued.params["Dense_0"]["kernel"].sharding.mesh.size == devices
+
+
+def test_several_processes_need_a_length_for_a_generator(tmp_path, monkeypatch):
+    """Every process must run the same steps; a generator's length is unknown before the run."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"several processes, a train_ds without len\(\).*steps_per_epoch= or max_steps="):
+        fit(make_state(MLP()), (b for b in _data()), loss_fn=loss_fn, workdir=str(tmp_path))
+    assert not list(tmp_path.iterdir())
