@@ -278,7 +278,8 @@ def test_tensorboard_scalars_and_hparams_in_the_run_dir(boundary):
     ea = EventAccumulator(log_dir)
     ea.Reload()
     content = ea.PluginTagToContent("hparams")
-    assert set(content) == {hparams_metadata.EXPERIMENT_TAG, hparams_metadata.SESSION_START_INFO_TAG}
+    assert set(content) == {hparams_metadata.EXPERIMENT_TAG, hparams_metadata.SESSION_START_INFO_TAG,
+                            hparams_metadata.SESSION_END_INFO_TAG}  # the run ended: its session too
     session = hparams_metadata.parse_session_start_info_plugin_data(
         content[hparams_metadata.SESSION_START_INFO_TAG])
     hp = {k: getattr(v, v.WhichOneof("kind")) for k, v in session.hparams.items()}

@@ -108,7 +108,7 @@ def test_tensorboard_server_shows_scalars_and_hparams_of_the_run(digits, tmp_pat
         experiment = server.post("/data/plugin/hparams/experiment", {"experimentName": ""})
         names = {h["name"] for h in experiment["hparamInfos"]}
         assert {"lr", "layers", "num_epochs", "batch_size", "seed", "devices",
-                "steps_per_epoch", "optimizer", "monitor"} <= names, sorted(names)
+                "steps_per_epoch", "monitor"} <= names, sorted(names)
         metric_tags = [m["name"]["tag"] for m in experiment["metricInfos"]]
         assert {"train/loss", "eval/accuracy", "best/eval/accuracy"} <= set(metric_tags), metric_tags
 
