@@ -31,6 +31,11 @@ What you supply
   to `loss_fn`. Any other model layout: pass `train_step(state, batch) -> (state, metrics)`.
 - `eval_step(state, batch)`: per-batch means; fit weights them by batch size, so the logged
   metric is exactly the metric over the whole eval set.
+- Or an nnx model with its `nnx.Optimizer`: `model, history = fit(model, train_ds, test_ds,
+  optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param), loss_fn=loss_fn, eval_step=eval_step)`.
+  `loss_fn` gets `model(inputs)` in train mode, `eval_step(model, batch)` the model in eval mode
+  (Dropout off, BatchNorm on its running statistics); dropout draws from the model's own
+  `nnx.Rngs`. The model and the optimizer are updated in place.
 
 What you get: data-parallel training on every device (a mesh over them, batches sharded, the
 state replicated), a progress bar, TensorBoard scalars and hparams under `<workdir>/logs/<run>`,
@@ -58,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from flax import nnx
 from flax.training import train_state
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -113,9 +119,9 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         resume=False, monitor=None, mode="auto", max_to_keep=1, lr_fn=None, batch_size=None,
         train_step=None, batch_keys=None, ckpt_every=None, max_steps=None, steps_per_epoch=None,
         eval_every=None, eval_steps=None, steps_per_jit=1, hooks=(), on_nonfinite="raise",
-        mesh=None, state_sharding=None, axis_name=None):
-    """Trains `state` on `train_ds` and returns `(state, history)`. README.md documents every
-    argument; the defaults are the signature's."""
+        mesh=None, state_sharding=None, axis_name=None, optimizer=None):
+    """Trains `state` (a TrainState, or an nnx model with `optimizer=`) on `train_ds` and returns
+    `(state, history)`. README.md documents every argument; the defaults are the signature's."""
     # 1. Check everything that can be checked before touching the disk or compiling.
     _check_options(locals())
     mesh = mesh or Mesh(np.array(jax.devices()), ("data",))
@@ -128,6 +134,9 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     test = test_ds if test_ds is None else _Data(test_ds, "test_ds", batch_size, False, seed,
                                                  batch_keys, eval_step is not None, eval_steps)
     _check_batching(train, test, batch_size, mesh, data_axis)
+    finish = lambda state: state
+    if isinstance(state, nnx.Module):  # an nnx model trains as a TrainState of its variables
+        state, train_step, eval_step, finish = _nnx_adapter(state, optimizer, loss_fn, eval_step)
     if jax.process_count() > 1 and train.length is None and not (steps_per_epoch or max_steps):
         raise ValueError("fit: with several processes, a train_ds without len() (a generator) needs "
                          "steps_per_epoch= or max_steps=, so that every process runs the same steps.")
@@ -170,7 +179,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     if loop.finished():
         loop.close()
         _say(loop.lead, f"fit: run {run} already finished at step {loop.step}; nothing to do.")
-        return loop.state, history
+        return finish(loop.state), history
     used = {"num_epochs": num_epochs, "batch_size": train.batch_size * jax.process_count(), "devices": mesh.size,
             "seed": seed, "steps_per_epoch": spe, "max_steps": max_steps,
             "steps_per_jit": steps_per_jit, "monitor": monitor,
@@ -207,14 +216,18 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     history.timing = loop.logger.timing(loop.step)
     if loop.signals.reason in ("SIGTERM", "preemption"):
         raise SystemExit(128 + signal.SIGTERM)  # 143: what schedulers expect after SIGTERM
-    return loop.state, history
+    return finish(loop.state), history
 
 
-def load_ckpt(state, ckpt_dir, step=None):
+def load_ckpt(state, ckpt_dir, step=None, optimizer=None):
     """Restores a state saved by `fit` from a run's checkpoint directory
     (`<workdir>/checkpoints/<run>`, also `history.ckpt_dir`). `step` is a step number,
     `"last"`/`None` (the latest) or `"best"`. `state` gives the structure, shapes and
-    shardings; its values are not used."""
+    shardings; its values are not used. An nnx model (with its `optimizer=`) is restored in
+    place, and returned."""
+    if isinstance(state, nnx.Module):
+        adapted, _, _, finish = _nnx_adapter(state, optimizer, None, None)
+        return finish(load_ckpt(adapted, ckpt_dir, step))
     ckpt_dir = os.path.abspath(ckpt_dir)
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"load_ckpt: no checkpoint directory at {ckpt_dir}.")
@@ -332,6 +345,79 @@ def _default_eval_step(loss_fn):
         loss, metrics = _split_loss(loss_fn(state.apply_fn(variables, inputs, train=False), targets))
         return {"loss": loss, **metrics}
     return eval_step
+
+
+def _nnx_adapter(model, optimizer, loss_fn, eval_step):
+    """Runs an nnx model and its `nnx.Optimizer` as a TrainState, so the loop, sharding,
+    checkpoints, resume and logging work unchanged. `params` holds what the optimizer trains
+    (its `wrt`), `batch_stats` every other variable (BatchNorm statistics, the Rngs' keys and
+    counts: checkpointed, so dropout resumes exactly), `opt_state` the optimizer's optax state,
+    `step` its step. Each step merges them into a fresh module inside plain `jax.jit` (nnx.jit
+    costs ~0.3 ms more a call) and splits it again; the user's objects are only written by
+    `finish(state)`, which updates `model` and `optimizer` in place and returns `model`.
+    Returns `(state, train_step, eval_step, finish)`."""
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(f"fit: an nnx model needs optimizer=nnx.Optimizer(model, tx, "
+                        f"wrt=nnx.Param), got optimizer={optimizer!r}.")
+    # Plain dicts, not nnx.State: jit flattens the state on every call, and State is a pytree
+    # registered in Python (twice as slow to flatten as dicts). Typed PRNG keys travel as raw
+    # uint32 data, like fit's own rng: orbax writes a key as its data, which restores as no key.
+    is_state = lambda x: isinstance(x, nnx.State)
+    pure = lambda tree: jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x,
+                                     nnx.as_pure(tree), is_leaf=is_state)
+    as_data = lambda tree: jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x,
+                                        pure(tree))
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+    impls = [jax.random.key_impl(x) if _is_key(x) else None for x in jax.tree.leaves(pure(rest))]
+
+    def as_keys(rest):
+        leaves, treedef = jax.tree.flatten(rest)
+        return treedef.unflatten([x if impl is None else jax.random.wrap_key_data(x, impl=impl)
+                                  for x, impl in zip(leaves, impls)])
+
+    state = TrainState(step=optimizer.step[...], apply_fn=None, params=pure(params), tx=optimizer.tx,
+                       opt_state=pure(optimizer.opt_state), batch_stats=as_data(rest))
+    try:
+        jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"fit: the optimizer's state does not fit the model's parameters; build "
+                         f"it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
+                         f"({e})") from None
+
+    def merged(params, rest, train):
+        model = nnx.merge(graphdef, params, as_keys(rest))
+        model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
+        return model
+
+    def train_step(state, batch):
+        # Dropout draws from the model's own Rngs (advanced per call, kept in batch_stats), not
+        # from fit's `rng`; the update is `optimizer.update`'s: tx.update, then apply_updates.
+        inputs, targets = batch
+
+        def loss_of(params):
+            model = merged(params, state.batch_stats, train=True)
+            loss, metrics = _split_loss(loss_fn(model(inputs), targets))
+            return loss, (metrics, as_data(nnx.state(model, nnx.Not(optimizer.wrt))))
+
+        (loss, (metrics, rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        norms = {"grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(state.params)}
+        state = state.apply_gradients(grads=grads, batch_stats=rest)
+        return state, {"loss": loss, **metrics, **norms}
+
+    def eval_fn(state, batch):
+        model = merged(state.params, state.batch_stats, train=False)
+        if eval_step is not None:
+            return eval_step(model, batch)
+        loss, metrics = _split_loss(loss_fn(model(batch[0]), batch[1]))
+        return {"loss": loss, **metrics}
+
+    def finish(state):
+        nnx.update(model, state.params, as_keys(state.batch_stats))
+        nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
+        optimizer.step[...] = state.step
+        return model
+
+    return state, train_step, eval_fn, finish
 
 
 def _split_loss(out):
@@ -742,10 +828,18 @@ def _check_options(args):
         raise ValueError(f"fit: log_name must be a non-empty name of letters, digits, '_', '-' "
                          f"or '.', got {args['log_name']!r}.")
     state, mesh = args["state"], args["mesh"]
-    if getattr(state, "tx", None) is None or not hasattr(state, "apply_gradients"):
+    if isinstance(state, nnx.Module):
+        for name in ("train_step", "axis_name"):
+            if args[name] is not None:
+                raise ValueError(f"fit: {name}= is for TrainState runs; an nnx model trains with "
+                                 f"loss_fn(model(inputs), targets) and eval_step(model, batch).")
+    elif args["optimizer"] is not None:
+        raise ValueError("fit: optimizer= is for nnx models; a TrainState carries its own (tx).")
+    elif getattr(state, "tx", None) is None or not hasattr(state, "apply_gradients"):
         raise ValueError(f"fit: state must be a TrainState with an optimizer (tx), got "
                          f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build it "
-                         f"with TrainState.create(apply_fn=..., params=..., tx=optax.adam(...)).")
+                         f"with TrainState.create(apply_fn=..., params=..., tx=optax.adam(...)), "
+                         f"or pass an nnx model with optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param).")
     if mesh is not None and "data" not in mesh.axis_names:
         raise ValueError(f"fit: mesh must have a 'data' axis to shard batches over, got axes "
                          f"{mesh.axis_names}.")
