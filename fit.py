@@ -148,7 +148,8 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     if axis_name:  # the step runs per device; the default step averages gradients and metrics
         step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(axis_name)),
                                 out_specs=(P(), P()), check_vma=False)
-    one_step = functools.partial(_train_and_accumulate, step_fn, lr_of, on_nonfinite)
+    names = []  # the train metrics, in the order of the accumulator's vectors (set when traced)
+    one_step = functools.partial(_train_and_accumulate, step_fn, lr_of, on_nonfinite, names)
     train_fn = jax.jit(one_step, donate_argnums=0, out_shardings=placement)
     # k steps per call: a scan over a stacked group of k batches. XLA's CPU backend runs a rolled
     # scan of convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster.
@@ -163,7 +164,8 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
         eval0 = jax.device_put(_zeros(_trace(eval_fn, state, test.spec)), replicated)
         eval_names = list(eval0["sum"])
         evaluate = functools.partial(_evaluate, eval_fn, eval0, test)
-    monitor, mode = _pick_monitor(monitor, mode, list(acc0["sum"]), eval_names)
+    train_names = [k for k in names if k != "parameters"]
+    monitor, mode = _pick_monitor(monitor, mode, train_names, eval_names)
     spe = steps_per_epoch or train.length
     total = min([n for n in (spe and spe * num_epochs, max_steps) if n], default=None)
 
@@ -228,6 +230,8 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None):
     if isinstance(state, nnx.Module):
         adapted, _, _, finish = _nnx_adapter(state, optimizer, None, None)
         return finish(load_ckpt(adapted, ckpt_dir, step))
+    if optimizer is not None:
+        raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its own (tx).")
     ckpt_dir = os.path.abspath(ckpt_dir)
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"load_ckpt: no checkpoint directory at {ckpt_dir}.")
@@ -328,7 +332,7 @@ def _default_train_step(loss_fn, axis_name=None):
         (loss, (metrics, updates)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
         if axis_name:
             grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis_name)
-        norms = {"grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(state.params)}
+        norms = {"grad_norm": optax.tree.norm(grads)}  # (param_norm: _train_and_accumulate's)
         state = state.apply_gradients(grads=grads)
         if has_bs:
             state = state.replace(batch_stats=updates["batch_stats"])
@@ -367,6 +371,7 @@ def _nnx_adapter(model, optimizer, loss_fn, eval_step):
                                      nnx.as_pure(tree), is_leaf=is_state)
     as_data = lambda tree: jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x,
                                         pure(tree))
+    nnx.pop(model, nnx.Intermediate)  # sow()n values are per call outputs, not state to carry
     graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
     impls = [jax.random.key_impl(x) if _is_key(x) else None for x in jax.tree.leaves(pure(rest))]
 
@@ -397,10 +402,11 @@ def _nnx_adapter(model, optimizer, loss_fn, eval_step):
         def loss_of(params):
             model = merged(params, state.batch_stats, train=True)
             loss, metrics = _split_loss(loss_fn(model(inputs), targets))
+            nnx.pop(model, nnx.Intermediate)
             return loss, (metrics, as_data(nnx.state(model, nnx.Not(optimizer.wrt))))
 
         (loss, (metrics, rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
-        norms = {"grad_norm": optax.tree.norm(grads), "param_norm": optax.tree.norm(state.params)}
+        norms = {"grad_norm": optax.tree.norm(grads)}
         state = state.apply_gradients(grads=grads, batch_stats=rest)
         return state, {"loss": loss, **metrics, **norms}
 
@@ -447,34 +453,48 @@ def _scalars(metrics, who):
     return out
 
 
-def _train_and_accumulate(step_fn, lr_of, on_nonfinite, state, acc, batch):
+def _train_and_accumulate(step_fn, lr_of, on_nonfinite, names, state, acc, batch):
     """One train step plus the on-device bookkeeping: metric sums since the last log point, a
-    count of steps whose loss or parameters are not finite, and the learning rate."""
+    count of steps whose loss or parameters are not finite, and the learning rate. The metrics
+    travel as one vector (their names go to `names` when this is traced): on XLA's CPU backend
+    every extra small op and output costs microseconds a step, which a tiny model feels."""
     new_state, metrics = step_fn(state, batch)
     metrics = _scalars(metrics, "train_step")
-    # One norm over the new parameters is NaN/Inf whenever any of them is (an isfinite per
-    # array compiled ~25% slower on a CNN).
-    checked = {**metrics, "parameters": optax.tree.norm(new_state.params)}
-    bad = {k: ~jnp.isfinite(v) for k, v in checked.items()}  # which ones, for the error message
-    finite = ~jnp.any(jnp.stack(list(bad.values())))
+    # The norm of the new parameters is NaN/Inf whenever any of them is (an isfinite per array
+    # compiled ~25% slower on a CNN), and is logged as param_norm unless the step has its own.
+    norm = optax.tree.norm(new_state.params)
+    metrics.setdefault("param_norm", norm)
+    checked = {**metrics, **({} if metrics["param_norm"] is norm else {"parameters": norm})}
+    names[:] = checked
+    values = jnp.stack(list(checked.values()))
+    bad = ~jnp.isfinite(values)
+    finite = ~jnp.any(bad)
     if on_nonfinite == "skip":  # keep the old state on device, no host round trip; the step
         new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)  # counts on
         new_state = new_state.replace(step=state.step + 1)
+        values = jnp.where(finite, values, 0.0)
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     if acc is None:
-        acc = _zeros({"sum": metrics, "n": jnp.int32(0), "bad": jnp.int32(0), "first_bad": jnp.int32(0),
-                      "bad_by": {k: jnp.int32(0) for k in bad}, "lr": jnp.float32(0)})
-    metrics_ok = {k: jnp.where(finite, v, 0.0) for k, v in metrics.items()} if on_nonfinite == "skip" else metrics
+        acc = {"sum": jnp.zeros_like(values), "bad_by": jnp.zeros(bad.shape, jnp.int32),
+               "count": jnp.zeros(3, jnp.int32), "lr": jnp.float32(0)}
+    n, n_bad, first_bad = acc["count"]
     lr = acc["lr"] if lr_of is None else jnp.asarray(lr_of(new_state), jnp.float32)
     return new_state, {
-        "sum": {k: acc["sum"][k] + v for k, v in metrics_ok.items()},
-        "n": acc["n"] + jnp.where(finite | (on_nonfinite == "raise"), 1, 0).astype(jnp.int32),
-        "bad": acc["bad"] + (~finite).astype(jnp.int32),
-        "first_bad": jnp.where((acc["bad"] == 0) & ~finite, state.step.astype(jnp.int32), acc["first_bad"]),
-        "bad_by": {k: acc["bad_by"][k] + v.astype(jnp.int32) for k, v in bad.items()},
+        "sum": acc["sum"] + values,  # (the checked extra, if any, is summed too; never logged)
+        "bad_by": acc["bad_by"] + bad,
+        "count": jnp.stack([n + (finite | (on_nonfinite == "raise")), n_bad + ~finite,
+                            jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)]).astype(jnp.int32),
         "lr": lr,
     }
+
+
+def _unpack(acc, names):
+    """The host's view of a fetched train accumulator: named sums and counts."""
+    n, n_bad, first_bad = (int(v) for v in acc["count"])
+    return {"sum": {k: float(v) for k, v in zip(names, acc["sum"]) if k != "parameters"},
+            "bad_by": {k: int(v) for k, v in zip(names, acc["bad_by"])},
+            "n": n, "bad": n_bad, "first_bad": first_bad, "lr": float(acc["lr"])}
 
 
 def _eval_and_accumulate(eval_step, state, acc, batch):
@@ -813,7 +833,8 @@ def _check_options(args):
         raise ValueError(f"fit: eval_every={args['eval_every']} (steps) and eval_freq="
                          f"{args['eval_freq']} (epochs) contradict each other; pass one of them.")
     if args["train_step"] is None and args["loss_fn"] is None:
-        raise ValueError("fit: pass loss_fn(outputs, targets) (or your own train_step).")
+        raise ValueError("fit: pass loss_fn(outputs, targets)" + (
+            "." if isinstance(args["state"], nnx.Module) else " (or your own train_step)."))
     for name in ("loss_fn", "eval_step", "train_step", "lr_fn"):
         if args[name] is not None and not callable(args[name]):
             raise TypeError(f"fit: {name} must be a function, got {type(args[name]).__name__}.")
@@ -1086,14 +1107,14 @@ class _Loop:
             events = writer._get_file_writer().event_writer
             events.add_event = events._ev_writer.write_event
             if self.step == 0:  # hparams once per run, at its start, so a crashed run shows them
-                tags = [f"train/{n}" for n in self.acc["sum"]] + [f"eval/{n}" for n in eval_names]
+                tags = [f"train/{n}" for n in cfg.train_names] + [f"eval/{n}" for n in eval_names]
                 exp, ssi, _ = _hparams_summaries({k: _hparam_value(v) for k, v in used.items() if v is not None},
                                                  {t: 0.0 for t in tags + [f"best/{cfg.monitor}"]})
                 writer._get_file_writer().add_summary(exp)
                 writer._get_file_writer().add_summary(ssi)
                 writer.flush()
         self.logger = _Logger(writer, self.history, self.meta, self.lead, total, self.step,
-                              cfg.train.batch_size * jax.process_count(), cfg.on_nonfinite, cfg.lr_of is not None, self.hook)
+                              cfg.train.batch_size * jax.process_count(), cfg.on_nonfinite, cfg.lr_of is not None, self.hook, cfg.names)
 
     def before_batch(self, data_state):
         """Runs what is due before the next batch; returns True when the loop must stop here."""
@@ -1122,7 +1143,7 @@ class _Loop:
         if _crossed(self.step - k, self.step, self.cfg.log_every):
             self.acc = self.logger.stash(self.acc, self.cfg.acc0, self.step)
         # Keep the host at most two calls ahead, so it does not queue up batches.
-        self.inflight.append(self.acc["n"])
+        self.inflight.append(self.acc["count"])
         if len(self.inflight) > 2:
             self.inflight.popleft().block_until_ready()
         self.logger.ready()
@@ -1227,8 +1248,8 @@ class _Logger:
     running sums (`interval`, `epoch_acc`) live in the checkpoint's meta, so a resumed run logs
     what an uninterrupted one would."""
 
-    def __init__(self, writer, history, meta, lead, total, step, batch_size, on_nonfinite, lr_known, hook):
-        self.writer, self.history, self.meta, self.lead = writer, history, meta, lead
+    def __init__(self, writer, history, meta, lead, total, step, batch_size, on_nonfinite, lr_known, hook, names):
+        self.writer, self.history, self.meta, self.lead, self.names = writer, history, meta, lead, names
         self.interval, self.epoch_acc = meta["log"], meta["epoch_sum"]
         self.batch_size, self.skipping, self.lr_known, self.hook = batch_size, on_nonfinite == "skip", lr_known, hook
         self.pending, self.lr, self.first_step, self.epoch_name = None, None, step, ""
@@ -1277,13 +1298,13 @@ class _Logger:
         if self.pending is not None:
             acc, step = self.pending
             self.pending = None
-            self._add(jax.device_get(acc), step)
+            self._add(_unpack(jax.device_get(acc), self.names), step)
             self._log_interval(step)
 
     def flush(self, acc, acc0, step):
         """Reads everything accumulated so far: a sync point, used at epoch ends and saves."""
         self.poll()
-        self._add(jax.device_get(acc), step)
+        self._add(_unpack(jax.device_get(acc), self.names), step)
         return acc0
 
     def _add(self, acc, step):
