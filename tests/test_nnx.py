@@ -334,6 +334,10 @@ def test_wrong_arguments_are_refused_before_any_directory(data, tmp_path):
         load_ckpt(model, str(tmp_path))
     with pytest.raises(ValueError, match=r"does not fit the model's parameters"):
         load_ckpt(model, str(tmp_path), optimizer=other)
+    with pytest.raises(ValueError, match=r"load_ckpt: optimizer= is for nnx models"):
+        load_ckpt(make_state(), str(tmp_path), optimizer=opt)
+    with pytest.raises(ValueError, match=r"pass loss_fn\(outputs, targets\)\.$"):  # no train_step advice
+        fit.fit(model, (x, y), optimizer=opt, batch_size=BATCH, workdir=str(tmp_path))
     assert os.listdir(tmp_path) == []  # all refused before any directory was made
     assert int(opt.step[...]) == 0 and int(model.drop.rngs.count[...]) == 0
 
@@ -357,3 +361,28 @@ def test_the_same_accuracy_on_the_digits_as_the_trainstate_path(digits, tmp_path
     print(f"test accuracy after {epochs} epochs: TrainState {a:.4f}, nnx {b:.4f}")
     assert a >= 0.87 and b >= 0.87
     assert abs(a - b) <= 0.05
+
+
+class Sows(nnx.Module):
+    """Records an intermediate with sow() on every call: per-call output, not state."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        self.sow(nnx.Intermediate, "inputs_mean", x.mean())
+        return self.dense(x)
+
+
+@pytest.mark.filterwarnings("ignore:Using .Module.sow:DeprecationWarning")
+def test_sown_intermediates_are_not_carried(digits, one_device_mesh, tmp_path):
+    x, y, _, _ = digits
+    model = Sows(nnx.Rngs(0))
+    model(x[:2])  # sown before fit: dropped too
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    model, history = fit.fit(model, (x[:256], y[:256]), optimizer=optimizer, loss_fn=loss_fn,
+                             batch_size=32, num_epochs=1, workdir=str(tmp_path), mesh=one_device_mesh)
+    assert int(optimizer.step[...]) == 8
+    assert not nnx.state(model, nnx.Intermediate)
+    assert np.isfinite(history["train/loss"][-1])
