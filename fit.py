@@ -1334,8 +1334,10 @@ class _Logger:
             means["train/skipped_steps"] = self.meta["skipped"]
         now = time.perf_counter()
         rate = self.steady_rate(step)
-        perf = {"perf/steps_per_s": rate, "perf/examples_per_s": rate and rate * self.batch_size,
-                "perf/data_wait_fraction": (self.spent["data"] - self.data_log) / max(now - self.t_log, 1e-9)}
+        perf = {"perf/steps_per_s": rate, "perf/seconds_per_step": rate and 1 / rate,
+                "perf/examples_per_s": rate and rate * self.batch_size,
+                "perf/data_wait_fraction": (self.spent["data"] - self.data_log) / max(now - self.t_log, 1e-9),
+                "perf/compile_s": self.spent["compile"]}  # (this call's compiles so far)
         if self.writer is not None:
             for k, v in list(means.items()) + list(perf.items()):
                 if v is not None:

@@ -269,6 +269,14 @@ def test_tensorboard_scalars_and_hparams_in_the_run_dir(boundary):
     lr = [v for _, v in tb_scalars(log_dir, "train/lr")]
     assert len(lr) == len(loss)
     assert all(LR / 2 <= v <= LR for v in lr) and lr == sorted(lr, reverse=True) and lr[0] > lr[-1]
+    # What users expect beside the loss: norms and throughput at each log point, compile time.
+    for tag in ("train/grad_norm", "train/param_norm", "perf/steps_per_s", "perf/seconds_per_step",
+                "perf/examples_per_s", "perf/data_wait_fraction", "perf/compile_s"):
+        assert [s for s, _ in tb_scalars(log_dir, tag)] == [s for s, _ in loss], tag
+    compile_s = [v for _, v in tb_scalars(log_dir, "perf/compile_s")]
+    assert compile_s[0] > 0 and compile_s == sorted(compile_s)  # includes the first step's compile
+    for (_, rate), (_, seconds) in zip(tb_scalars(log_dir, "perf/steps_per_s"), tb_scalars(log_dir, "perf/seconds_per_step")):
+        assert rate * seconds == pytest.approx(1, rel=1e-5)
     acc = tb_scalars(log_dir, "eval/accuracy")
     assert [s for s, _ in acc] == h["eval/step"] == [SPE, 2 * SPE, 3 * SPE, 4 * SPE]
     assert [v for _, v in acc] == pytest.approx(h["eval/accuracy"], rel=1e-6)
