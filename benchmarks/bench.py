@@ -507,19 +507,15 @@ def summarize(runs, models, whole, repeats, k, info, args):
         steady_target = STEADY_TARGET.get(model)
         scan_target = SCAN_TARGET.get(model)
         save_target = SAVE_MS_TARGET.get(model)
+        def target(value, threshold, at_least):
+            return [value, threshold, ">=" if at_least else "<=", verdict(value, threshold, at_least)]
         targets = {
-            "fit_steady": [ratios["fit"]["steady"], steady_target, ">=",
-                           verdict(ratios["fit"]["steady"], steady_target, True)],
-            "fit_scan_steady": [ratios["fit_scan"]["steady"], scan_target, ">=",
-                                 verdict(ratios["fit_scan"]["steady"], scan_target, True)],
-            "fit_compile": [ratios["fit"]["compile"], COMPILE_TARGET, "<=",
-                            verdict(ratios["fit"]["compile"], COMPILE_TARGET, False)],
-            "fit_rss": [ratios["fit"]["rss"], RSS_TARGET, "<=",
-                        verdict(ratios["fit"]["rss"], RSS_TARGET, False)],
-            "fit_scan_rss": [ratios["fit_scan"]["rss"], RSS_TARGET, "<=",
-                              verdict(ratios["fit_scan"]["rss"], RSS_TARGET, False)],
-            "fit_save_ms": [methods["fit"]["save_ms"], save_target, "<=",
-                            verdict(methods["fit"]["save_ms"], save_target, False)],
+            "fit_steady": target(ratios["fit"]["steady"], steady_target, True),
+            "fit_scan_steady": target(ratios["fit_scan"]["steady"], scan_target, True),
+            "fit_compile": target(ratios["fit"]["compile"], COMPILE_TARGET, False),
+            "fit_rss": target(ratios["fit"]["rss"], RSS_TARGET, False),
+            "fit_scan_rss": target(ratios["fit_scan"]["rss"], RSS_TARGET, False),
+            "fit_save_ms": target(methods["fit"]["save_ms"], save_target, False),
         }
         some = pick("steady", model, "fit")
         steady[model] = {"steps": some[0]["steps"] if some else None,
