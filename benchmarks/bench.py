@@ -25,7 +25,7 @@ median over repeats of the ratio within one adjacent pair.
 Figures:
   steady steps/s  hand loops: the steps after the first (compiling) call, over their time;
                   fit: `history.timing["steady_steps_per_s"]` (compile, eval and blocking save
-                  time left out).
+                  time left out, and the wait for the last save to commit at the end).
   compile s       hand loops: the first call including its `block_until_ready`; fit:
                   `history.timing["compile_s"]`.
   wall s          the whole call (fit: `fit(...)` itself; hand: first call to the final block).
