@@ -148,6 +148,9 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     if axis_name:  # the step runs per device; the default step averages gradients and metrics
         step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(axis_name)),
                                 out_specs=(P(), P()), check_vma=False)
+    # The steps are jitted on their own as well, so that the first real call reuses the trace
+    # `_trace` makes to learn the metric names (tracing a model again cost 0.1-0.2 s a run).
+    step_fn, eval_step = jax.jit(step_fn), jax.jit(eval_step or _default_eval_step(loss_fn))
     names = []  # the train metrics, in the order of the accumulator's vectors (set when traced)
     one_step = functools.partial(_train_and_accumulate, step_fn, lr_of, on_nonfinite, names)
     train_fn = jax.jit(one_step, donate_argnums=0, out_shardings=placement)
@@ -159,8 +162,7 @@ def fit(state, train_ds, test_ds=None, *, loss_fn=None, eval_step=None, num_epoc
     acc0 = jax.device_put(_zeros(_trace(train_fn, state, train.spec)[1]), replicated)
     evaluate, eval_names = None, []
     if test is not None:
-        eval_fn = jax.jit(functools.partial(_eval_and_accumulate, eval_step or _default_eval_step(loss_fn)),
-                          out_shardings=replicated)
+        eval_fn = jax.jit(functools.partial(_eval_and_accumulate, eval_step), out_shardings=replicated)
         eval0 = jax.device_put(_zeros(_trace(eval_fn, state, test.spec)), replicated)
         eval_names = list(eval0["sum"])
         evaluate = functools.partial(_evaluate, eval_fn, eval0, test)
@@ -507,12 +509,14 @@ def _eval_and_accumulate(eval_step, state, acc, batch):
     return {"sum": {k: acc["sum"][k] + v * n for k, v in metrics.items()}, "n": acc["n"] + n}
 
 
-def _zeros(tree):
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), tree)
-
-
 # ----------------------------------------------------------------------------------------------
 # Host code: data, placement, checkpoints, logging.
+
+def _zeros(tree):
+    # numpy, placed by the caller: jnp.zeros compiles an eager op for each new shape (20-50 ms
+    # each on CPU, a few per run).
+    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), tree)
+
 
 class _Data:
     """Turns a data argument into per-epoch iterators of `(batch, data_state)` on the host.
