@@ -547,6 +547,8 @@ class _Data:
             first = self._convert((x[:batch_size], y[:batch_size]), 0)
             self.sizes = [min(batch_size, len(x) - i * batch_size) for i in range(self.length)]
         else:
+            if hasattr(ds, "set_epoch"):
+                ds.set_epoch(0)
             try:
                 iterator = iter(ds)
             except TypeError:
@@ -554,10 +556,14 @@ class _Data:
                                 f"{type(ds).__name__}.") from None
             self.stream = iterator is ds  # a one-shot iterator: generators, tfds.as_numpy, ...
             self.fresh = True
+            position = None if self.stream else _position(iterator)
             try:
                 raw = next(iterator)
             except StopIteration:
                 raise ValueError(f"fit: {name} is empty: it yielded no batches.") from None
+            # Epoch 0 goes on from this iterator: a loader with workers (torch, grain) starts
+            # them at each iter(), which can take seconds.
+            self.peeked = None if self.stream else (iterator, [(raw, position)])
             first = self._convert(raw, 0)
             self.sizes = None
             if isinstance(ds, (list, tuple)):  # in memory already: check every batch up front
@@ -637,31 +643,40 @@ class _Data:
             for i, raw in enumerate(iterator, skip):
                 yield self._convert(raw, i), None
             return
-        if hasattr(self.ds, "set_epoch"):
-            self.ds.set_epoch(epoch)
-        iterator = iter(self.ds)
-        resumable = hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
-        if resumable and data_state is not None and skip:
-            iterator.set_state(data_state["bytes"].encode() if "bytes" in data_state else data_state["state"])
+        peeked, self.peeked = self.peeked, None
+        if peeked and not (epoch or skip):
+            iterator, first = peeked
         else:
-            for _ in range(skip):  # (not islice: that would hide get_state)
-                next(iterator, None)
+            if hasattr(self.ds, "set_epoch"):
+                self.ds.set_epoch(epoch)
+            iterator, first = iter(self.ds), []
+            if data_state is not None and skip and hasattr(iterator, "set_state"):
+                iterator.set_state(data_state["bytes"].encode() if "bytes" in data_state else data_state["state"])
+            else:
+                for _ in range(skip):  # (not islice: that would hide get_state)
+                    next(iterator, None)
+
+        def positioned():
+            while True:
+                # The iterator's state is taken before the batch is fetched: it is the position
+                # to restore if this batch was not yet trained on when a checkpoint is written.
+                position = _position(iterator)
+                try:
+                    raw = next(iterator)
+                except StopIteration:
+                    return
+                yield raw, position
         limit = (self.steps_per_epoch - skip) if self.steps_per_epoch else None
-        for i in itertools.count(skip):
-            if limit is not None and i - skip >= limit:
-                return
-            # The iterator's state is taken before the batch is fetched: it is the position to
-            # restore if this batch was not yet trained on when a checkpoint is written.
-            position = _data_position(iterator.get_state()) if resumable else None
-            try:
-                raw = next(iterator)
-            except StopIteration:
-                return
+        for i, (raw, position) in enumerate(itertools.islice(itertools.chain(first, positioned()), limit), skip):
             yield self._convert(raw, i), position
 
 
-def _data_position(state):
-    """An iterator state as JSON for the checkpoint; grain's DataLoader gives bytes of JSON."""
+def _position(iterator):
+    """A resumable (grain) iterator's state as JSON for the checkpoint, else None; grain's
+    DataLoader gives bytes of JSON."""
+    if not (hasattr(iterator, "get_state") and hasattr(iterator, "set_state")):
+        return None
+    state = iterator.get_state()
     if isinstance(state, bytes):
         return {"bytes": state.decode()}
     return {"state": _jsonable(state)}

@@ -264,8 +264,8 @@ def test_grain_dataloader_resumes_mid_epoch_exactly(digits, tmp_path, one_device
                   mesh=one_device_mesh, log_every=5)
     ref, _ = fit(make_state(CNN()), GrainLoader(Digits(x, y), BATCH), [(xt, yt)],
                  workdir=str(tmp_path / "ref"), **common)
-    # SIGINT as epoch 2's 11th batch is read (fit reads one batch up front for the shapes).
-    ctrl_c = Digits(x, y, interrupt_at=(1 + 45 + 10) * BATCH)
+    # SIGINT as epoch 2's 11th batch is read.
+    ctrl_c = Digits(x, y, interrupt_at=(45 + 11) * BATCH)
     _, h1 = fit(make_state(CNN()), GrainLoader(ctrl_c, BATCH), [(xt, yt)],
                 workdir=str(tmp_path / "cut"), **common)
     stop_step = int(h1["stopped"][0].split()[-1])
@@ -362,6 +362,24 @@ def test_torch_style_loader_without_torch(digits, tmp_path, one_device_mesh):
     _, h = run(tmp_path, FakeTorchLoader(x, y, BATCH), FakeTorchLoader(xt, yt, 64),
                num_epochs=2, mesh=one_device_mesh)
     learned(checked(h, 90, epochs=2))
+
+
+def test_a_loader_is_opened_once_per_epoch(digits, tmp_path, one_device_mesh):
+    """fit learns the shapes from the first batch, read up front from the iterator that epoch 1
+    then goes on with: a torch or grain loader with workers starts them at every `iter()`,
+    which can take seconds. Two epochs with an eval after each: two `iter()` of each loader,
+    and epoch 1 still trains on all 45 batches, the one read up front included."""
+    class Counted(FakeTorchLoader):
+        def __iter__(self):
+            self.opened = getattr(self, "opened", 0) + 1
+            return super().__iter__()
+
+    x, y, xt, yt = digits
+    train, test = Counted(x, y, BATCH), Counted(xt, yt, 64)
+    _, h = run(tmp_path, train, test, num_epochs=2, mesh=one_device_mesh)
+    checked(h, 90, epochs=2)
+    assert h["step"] == [45, 90], h["step"]
+    assert (train.opened, test.opened) == (2, 2), (train.opened, test.opened)
 
 
 def test_real_torch_dataloader(digits, tmp_path, one_device_mesh):

@@ -782,7 +782,7 @@ def test_a_long_run_stays_flat(tmp_path):
     assert child.finish(timeout=600) == 0, child.stderr_tail()
     result = child.result()
     records = {}
-    for r in result["records"]:  # (the first epoch-0 record is fit peeking at the first batch)
+    for r in result["records"]:  # one per iter() of the loader, and one after fit returned
         records[r["epoch"]] = r
     assert sorted(records) == list(range(61))
     assert result["step"] == 600 and result["history"]["epoch"] == list(range(1, 61))

@@ -131,7 +131,7 @@ def batch_list(x, y):
 
 class Batches:
     """A re-iterable list of batches (len() works, each epoch iterates it again) that, when it
-    hands out its `at`-th batch overall (counting from 1, fit's first peek included), either sends
+    hands out its `at`-th batch overall (counting from 1), either sends
     this process a SIGINT, as Ctrl-C would, or raises, as a crash would."""
 
     def __init__(self, batches, at, crash=False):
@@ -225,7 +225,7 @@ def list_runs(digits, tmp_path_factory):
     out.full, out.full_h = fit(make_state(CNN(), adam()), batches, test,
                                workdir=dirs["list_full"], **common)
 
-    # SIGINT when the 13th batch is handed out: the peek, 8 of epoch 1, then the 4th of epoch 2.
+    # SIGINT when the 13th batch is handed out: the 8 of epoch 1, then the 5th of epoch 2.
     out.stopped, out.stopped_h = fit(make_state(CNN(), adam()), Batches(batches, at=13), test,
                                      workdir=dirs["list_sigint"], ckpt_every=5, **common)
     out.stopped_h_copy = copy.deepcopy(dict(out.stopped_h))
