@@ -1,6 +1,6 @@
 """Benchmarks fit.py against the minimal hand-written JAX loops it replaces.
 
-    python benchmarks/bench.py                 # the full run (~15 min on 2 idle CPU cores)
+    python benchmarks/bench.py                 # the full run (~20 min on 2 CPU cores; 19-20 min in the last three runs)
     python benchmarks/bench.py --quick         # a smoke test with tiny sizes (< 2 min)
     python benchmarks/bench.py --models cnn --repeats 5 --steps 200 --whole-seconds 30
     python benchmarks/bench.py --fit /tmp/other_fit.py   # measure another version of fit.py
