@@ -253,6 +253,25 @@ def test_grain_iterator_state_round_trips_through_a_checkpoint():
     np.testing.assert_array_equal(next(again)["label"], expected)
 
 
+def test_grain_resumes_exactly_inside_the_first_epoch(digits, tmp_path, one_device_mesh):
+    """Epoch 1 goes on from the iterator fit read the first batch from, and its positions (grain's
+    `get_state()` before each batch) go into the checkpoints like any other epoch's: a run cut by
+    `max_steps` at step 20 of 45 and resumed ends bit for bit where an uninterrupted run does,
+    reading only the batches it had not trained on (plus the one fit reads up front)."""
+    pytest.importorskip("grain")
+    x, y, xt, yt = digits
+    common = dict(num_epochs=2, batch_keys=("image", "label"), mesh=one_device_mesh, log_every=5)
+    ref, _ = run(tmp_path / "ref", GrainLoader(Digits(x, y), BATCH), **common)
+    _, h1 = run(tmp_path / "cut", GrainLoader(Digits(x, y), BATCH), max_steps=20, **common)
+    assert h1["step"] == [20]
+    source = Digits(x, y)
+    resumed, h2 = run(tmp_path / "cut", GrainLoader(source, BATCH), resume=True, **common)
+    assert h2["step"] == [20, 45, 90], h2["step"]  # (the cut run logged its partial epoch)
+    assert np.array_equal(flat(resumed.params), flat(ref.params))
+    assert np.array_equal(flat(resumed.opt_state), flat(ref.opt_state))
+    assert source.reads <= (90 - 20 + 1) * BATCH, source.reads
+
+
 @pytest.mark.slow  # three CNN runs
 def test_grain_dataloader_resumes_mid_epoch_exactly(digits, tmp_path, one_device_mesh):
     """Ctrl-C mid-epoch, then `resume=True`: the same parameters, bit for bit, as a run never
