@@ -186,7 +186,8 @@ def flat_mode(workdir, out):
     state = make_state(hidden=256)
     say("READY")
     state, history = fit(state, loader, test, loss_fn=loss_fn, eval_step=eval_step,
-                         num_epochs=epochs, log_every=5, workdir=workdir, log_name="flat")
+                         num_epochs=epochs, log_every=5, ckpt_every=10, workdir=workdir,
+                         log_name="flat")  # (a save every epoch, as a long run makes many)
     step = int(state.step)
     del state
     loader.records.append(usage(epochs, compiles))  # after fit returned, its state dropped

@@ -251,7 +251,7 @@ def test_batch_stats_reach_a_custom_eval_step(digits, tmp_path, one_device_mesh)
 
     state, history = fit(make_state(CNN(), optax.adam(1e-2)), (x, y), (xt, yt), loss_fn=loss_fn,
                          eval_step=bs_eval, batch_size=64, num_epochs=1, mesh=one_device_mesh,
-                         workdir=str(tmp_path))
+                         mode="max", workdir=str(tmp_path))  # (no direction in the name: say it)
     expected = float(np.asarray(state.batch_stats["BatchNorm_0"]["mean"]).sum())
     assert abs(expected) > 1e-3  # initial running mean is all zeros
     np.testing.assert_allclose(history["eval/bs_mean_sum"][-1], expected, rtol=1e-5)
@@ -426,7 +426,9 @@ def test_timing_leaves_compiles_saves_and_the_last_commit_out_of_the_rate(tmp_pa
                num_epochs=2, mesh=one_device_mesh, workdir=str(tmp_path))
     t = h.timing
     counts = ("steps", "compile_count", "eval_count", "save_count", "finish_count")
-    assert tuple(t[k] for k in counts) == (8, 1, 0, 2, 1), t
+    # One save: checkpoints come on a wall-time schedule (ckpt_interval), at evals that enter the
+    # best, and at the end; a 2-epoch run without a test set saves once, at its end.
+    assert tuple(t[k] for k in counts) == (8, 1, 0, 1, 1), t
     assert t["finish_s"] > 0  # waiting for the last checkpoint's commit, once, at the end
     left_out = t["compile_s"] + t["eval_s"] + t["save_s"] + t["finish_s"]
     assert t["steady_steps_per_s"] == pytest.approx(7 / (t["wall_s"] - left_out), rel=0.05), t
@@ -468,7 +470,7 @@ def test_placing_the_state_copies_every_leaf_without_compiling(devices, one_devi
     mesh = one_device_mesh if devices == 1 else eight_device_mesh
     params = {"w": jnp.ones((37, 53)), "b": np.zeros(41, np.float32)}
     state = TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
-    placed = fit_module._prepare_state(state, 0, NamedSharding(mesh, P()))
+    placed = fit_module._place_state(state, 0, NamedSharding(mesh, P()))
     compiled = [m for m in compile_log.messages if m.startswith("Compiling") and
                 ("37,53" in m or "[41]" in m)]
     if devices == 1:  # (onto 8, device_put reuses the caller's buffers: fit copies those again)
@@ -561,7 +563,8 @@ def test_list_generator_dict_and_array_like_batches_agree(tmp_path, one_device_m
 
 def test_a_generator_is_one_epoch(tmp_path, one_device_mesh):
     x, y = id_data(32)
-    with pytest.raises(ValueError, match=r"no batches in epoch 2.*generator"):
+    # Refused at the start, not at epoch 2: a generator can be read only once.
+    with pytest.raises(ValueError, match=r"one-shot iterator.*num_epochs=2.*steps_per_epoch"):
         fit(vec_state(), (b for b in batches(x, y, 8)), loss_fn=mse_with_label_stats,
             num_epochs=2, mesh=one_device_mesh, workdir=str(tmp_path))
 

@@ -60,7 +60,7 @@ def test_batches_are_placed_before_their_step(monkeypatch, tmp_path):
     # On the 8 simulated devices: there _put really places each batch (on a single CPU device it
     # hands numpy to jit, whose own C++ path is faster than device_put).
     events = []
-    real_put, real_train = fit_module._put, fit_module._Loop.train
+    real_put, real_train = fit_module._put, fit_module._Meter.train
 
     def put(*args, **kwargs):
         events.append("put")
@@ -71,7 +71,7 @@ def test_batches_are_placed_before_their_step(monkeypatch, tmp_path):
         return real_train(self, *args, **kwargs)
 
     monkeypatch.setattr(fit_module, "_put", put)
-    monkeypatch.setattr(fit_module._Loop, "train", train)
+    monkeypatch.setattr(fit_module._Meter, "train", train)
     placed = []
     real_device_put = fit_module.jax.device_put
 

@@ -270,23 +270,23 @@ def test_tensorboard_scalars_and_hparams_in_the_run_dir(boundary):
     assert len(lr) == len(loss)
     assert all(LR / 2 <= v <= LR for v in lr) and lr == sorted(lr, reverse=True) and lr[0] > lr[-1]
     # What users expect beside the loss: norms and throughput at each log point, compile time.
-    for tag in ("train/grad_norm", "train/param_norm", "perf/steps_per_s", "perf/seconds_per_step",
-                "perf/examples_per_s", "perf/data_wait_fraction", "perf/compile_s"):
+    # One speed (steps/s), and the compile time once: it is not a curve.
+    for tag in ("train/grad_norm", "train/param_norm", "perf/steps_per_s", "perf/data_wait_fraction"):
         assert [s for s, _ in tb_scalars(log_dir, tag)] == [s for s, _ in loss], tag
-    compile_s = [v for _, v in tb_scalars(log_dir, "perf/compile_s")]
-    assert compile_s[0] > 0 and compile_s == sorted(compile_s)  # includes the first step's compile
-    for (_, rate), (_, seconds) in zip(tb_scalars(log_dir, "perf/steps_per_s"), tb_scalars(log_dir, "perf/seconds_per_step")):
-        assert rate * seconds == pytest.approx(1, rel=1e-5)
+    assert not tb_scalars(log_dir, "perf/seconds_per_step") + tb_scalars(log_dir, "perf/examples_per_s")
+    compile_s = tb_scalars(log_dir, "perf/compile_s")
+    assert len(compile_s) == 1 and compile_s[0][1] > 0  # includes the first step's compile
     acc = tb_scalars(log_dir, "eval/accuracy")
     assert [s for s, _ in acc] == h["eval/step"] == [SPE, 2 * SPE, 3 * SPE, 4 * SPE]
     assert [v for _, v in acc] == pytest.approx(h["eval/accuracy"], rel=1e-6)
     assert h["eval/accuracy"][-1] > 0.3  # it learned something (chance is 0.1)
 
-    # hparams: the session info (values) and the experiment (names, metric tags), same directory.
+    # hparams: the session info (values), same directory. No experiment summary: with one per run,
+    # TensorBoard shows the first it finds and hides other runs' columns; without, it infers them.
     ea = EventAccumulator(log_dir)
     ea.Reload()
     content = ea.PluginTagToContent("hparams")
-    assert set(content) == {hparams_metadata.EXPERIMENT_TAG, hparams_metadata.SESSION_START_INFO_TAG,
+    assert set(content) == {hparams_metadata.SESSION_START_INFO_TAG,
                             hparams_metadata.SESSION_END_INFO_TAG}  # the run ended: its session too
     session = hparams_metadata.parse_session_start_info_plugin_data(
         content[hparams_metadata.SESSION_START_INFO_TAG])
@@ -295,10 +295,6 @@ def test_tensorboard_scalars_and_hparams_in_the_run_dir(boundary):
     assert hp["layers"] == "[1, 2]"  # lists are stored stringified (TensorBoard drops them else)
     assert hp["num_epochs"] == 4 and hp["batch_size"] == BATCH
     assert hp["monitor"] == "eval/accuracy"
-    experiment = hparams_metadata.parse_experiment_plugin_data(content[hparams_metadata.EXPERIMENT_TAG])
-    assert {"lr", "layers", "num_epochs", "batch_size"} <= {i.name for i in experiment.hparam_infos}
-    metric_tags = {m.name.tag for m in experiment.metric_infos}
-    assert {"eval/accuracy", "train/loss"} <= metric_tags
 
     # What the HParams dashboard reads: one run, holding both hparams and the scalars it charts.
     mux = plugin_event_multiplexer.EventMultiplexer()
@@ -363,8 +359,9 @@ def test_monitor_train_loss_keeps_the_lowest_loss_and_the_last(digits, tmp_path)
         loss = jnp.asarray(losses, jnp.float32)[state.step // 2]
         return state.replace(step=state.step + 1), {"loss": loss}
 
+    # Train metrics never force a save: checkpoints every epoch (ckpt_every) are ranked by them.
     _, h = fit(make_state(MLP()), (x, y), train_step=train_step, batch_size=BATCH, num_epochs=6,
-               monitor="train/loss", workdir=str(tmp_path))
+               monitor="train/loss", ckpt_every=2, workdir=str(tmp_path))
     assert h["train/loss"] == pytest.approx(losses)
     assert "eval/step" not in h
     assert ckpt_steps(h.ckpt_dir) == [6, 12]
