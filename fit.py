@@ -1169,7 +1169,7 @@ def _nnx_adapter(model, optimizer, eval_step, who="fit"):
     from flax import nnx
     missing = [a for a in ("tx", "opt_state", "step", "wrt") if not hasattr(optimizer, a)]
     if missing:  # (not the object's repr: an optimizer's repr prints the whole model)
-        got = "None" if optimizer is None else f"a {type(optimizer).__name__} without {missing}"
+        got = "None" if optimizer is None else f"{type(optimizer).__name__} (no {missing})"
         raise TypeError(f"{who}: an nnx model needs optimizer=nnx.Optimizer(model, tx, "
                         f"wrt=nnx.Param), got optimizer={got}.")
     # Plain dicts, not nnx.State: jit flattens the state on every call, and State is a pytree
