@@ -85,7 +85,7 @@ class TrainState(train_state.TrainState):
     `rng`, the base key of the run: step n draws its dropout key as `fold_in(rng, n)`, so no key
     is reused and randomness survives a resume. Left `None`, fit fills it from `seed` (and
     returns it as raw `uint32` key data, which orbax can save). `tx=None` makes a state without
-    an optimizer, for evaluation or loading."""
+    an optimizer, for evaluation."""
     batch_stats: Any = flax.struct.field(default_factory=dict)
     rng: Any = None
 
@@ -461,7 +461,7 @@ class ProgressBar:
         head, metrics = self.line
         self.line = None
         shown = [f"{k} {v:.4g}" for k, v in metrics.items() if not k.startswith("perf/")]
-        (self.bar.write if self.bar is not None else tqdm.write)(": ".join([head, ", ".join(shown)]))
+        tqdm.write(f"{head}: {', '.join(shown)}")  # (above an open bar, which it redraws)
 
 
 class _Bar(tqdm):
@@ -508,8 +508,9 @@ class TensorBoard:
 class _Run:
     """What a hook sees: `event`, `step`, `epoch`, `state` (valid during the call only: the next
     step donates it), `metrics`, `history`, `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`,
-    `writer`, `total_steps`, `num_epochs`, `stopped_early`, `interrupted`; and what it may set: `stop`, `save`,
-    and at train_end `state`. One object for the run; it also keeps the history and the best."""
+    `writer`, `total_steps`, `num_epochs`, `stopped_early`, `interrupted`; and what it may set:
+    `stop`, `save`, and at train_end `state`. One object for the run; it also keeps the history
+    and the best."""
 
     def __init__(self, hooks, plan, ckpts, meta):
         self.hooks, self.monitor, self.mode = hooks, plan.monitor, plan.mode
@@ -1158,14 +1159,11 @@ def _lr_getter(state, lr_fn):
 
 
 def _nnx_adapter(model, optimizer, eval_step, who="fit"):
-    """Runs an nnx model and its `nnx.Optimizer` as a TrainState, so the loop, sharding,
-    checkpoints, resume and logging work unchanged. `params` holds what the optimizer trains
-    (its `wrt`), `batch_stats` every other variable (BatchNorm statistics, the Rngs' keys and
-    counts: checkpointed, so dropout resumes exactly), `opt_state` the optimizer's optax state,
-    `step` its step. Each step merges them into a fresh module inside plain `jax.jit` (nnx.jit
-    costs ~0.3 ms more a call) and splits it again; the user's objects are only written by
-    `finish(state)`, which updates `model` and `optimizer` in place and returns `model`.
-    Returns `(state, forward, eval_step, finish)`."""
+    """An nnx model and its optimizer as a TrainState: `params` is what the optimizer trains
+    (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the Rngs' keys and counts:
+    checkpointed, so dropout resumes exactly). Each step merges them into a module inside plain
+    `jax.jit` (nnx.jit costs ~0.3 ms more a call); only `finish(state)` writes the user's model
+    and optimizer, in place. Returns `(state, forward, eval_step, finish)`."""
     from flax import nnx
     missing = [a for a in ("tx", "opt_state", "step", "wrt") if not hasattr(optimizer, a)]
     if missing:  # (not the object's repr: an optimizer's repr prints the whole model)
@@ -1204,9 +1202,7 @@ def _nnx_adapter(model, optimizer, eval_step, who="fit"):
         model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
         return model
 
-    def forward(state, params, inputs, rng, train):
-        # Dropout draws from the model's own Rngs (advanced per call, kept in batch_stats), not
-        # from fit's `rng`.
+    def forward(state, params, inputs, rng, train):  # (Dropout draws from the model's Rngs)
         model = merged(params, state.batch_stats, train)
         outputs = model(inputs)
         nnx.pop(model, nnx.Intermediate)
@@ -1471,10 +1467,10 @@ def _restore(mgr, step, state, who):
     leaves = jax.tree_util.tree_leaves_with_path
     stored = {_keystr(p): tuple(m.shape) for p, m in leaves(mgr.item_metadata(step)["state"])}
     wanted = {_keystr(p): tuple(x.shape) for p, x in leaves(target)}
-    problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted.keys()]
-                + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored.keys()]
+    problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
+                + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
                 + [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
-                   for k in stored.keys() & wanted.keys() if stored[k] != wanted[k]])
+                   for k in stored.keys() & wanted if stored[k] != wanted[k]])
     if problems:
         listed = "\n  ".join(sorted(problems)[:12]) + ("\n  ..." if len(problems) > 12 else "")
         raise ValueError(f"{who}: the checkpoint at step {step} in {mgr.directory} does not fit "
@@ -1773,7 +1769,8 @@ def _clock(seconds):
 
 
 def _jsonable(tree):
-    return json.loads(json.dumps(tree, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+    as_json = lambda o: o.item() if hasattr(o, "item") else str(o)  # numpy scalars; the rest
+    return json.loads(json.dumps(tree, default=as_json))
 
 
 def _is_plain(value):
