@@ -261,11 +261,12 @@ def test_on_nonfinite_skip_drops_the_update(data, tmp_path):
 
 def test_early_stopping_writes_the_best_state_into_the_model(data, tmp_path):
     x, y, xt, yt = data
-    model, opt = fresh(lr=3e-2)  # noisy enough that eval accuracy drops at some point
+    model, opt = fresh(lr=5e-2)  # noisy enough that eval accuracy drops at some point
     _, h = fit.fit(model, (x, y), (xt, yt), optimizer=opt, loss_fn=loss_fn, eval_step=nnx_eval_step,
                    batch_size=BATCH, num_epochs=12, workdir=str(tmp_path), hooks=[EarlyStopping(patience=1)])
     assert h["stopped"] and h["stopped"][0].startswith("EarlyStopping")
-    best = int(np.argmax(h["eval/accuracy"]))
+    acc = h["eval/accuracy"]  # a tie goes to the later eval, as orbax's BestN keeps the later
+    best = len(acc) - 1 - int(np.argmax(acc[::-1]))
     assert best < len(h["eval/accuracy"]) - 1  # the last eval was worse: restoring changes the model
     assert int(opt.step[...]) == h["eval/step"][best]
     restored = fresh(seed=5)
