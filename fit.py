@@ -61,6 +61,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import flax
@@ -237,7 +238,7 @@ def fit(state, train_ds, test_ds=None, **options):
     steps = _build_steps(state, train, test, opts, mesh, forward, eval_step)
     plan = _Plan(opts, train, test, steps.train_names, steps.eval_names)
     verbose = _verbosity(opts.verbose)
-    _check_schedule(state, opts, plan.total, verbose)
+    _check_schedule(state, opts, plan.total)
 
     # 4. Open the run: pick it, restore its checkpoint if it goes on, set up the hooks.
     ckpts = _Checkpoints(opts, plan)
@@ -492,7 +493,8 @@ class TensorBoard:
             for name, value in run.metrics.items():
                 if event != "epoch_end":
                     self.writer.add_scalar(name, value, run.step)
-            if event == ("eval" if run.monitor.startswith("eval/") else "epoch_end"):
+            tracked = "eval" if run.monitor.startswith("eval/") else "epoch_end"
+            if event == tracked and run.best is not None:
                 self.writer.add_scalar(f"best/{run.monitor}", run.best, run.step)
             self.writer.flush()  # on disk before any checkpoint that a resume would skip past
         elif event == "train_end":
@@ -573,9 +575,10 @@ class _Run:
                 len(self.top) < self.max_to_keep or better(value, self.top[-1])):
             self.save = True
 
-    def ranked(self, step):
-        """The monitored value to rank a checkpoint of `step` by: an eval's only if it judged
-        this very state; the latest train mean otherwise. None: kept as the last, never best."""
+    def rank(self, step):
+        """The monitored value to rank a checkpoint of `step` by (an eval's only if it judged
+        this very state; else the latest train mean), recorded among the kept best. None: the
+        checkpoint is kept as the last, never as a best."""
         value, at = self.latest.get(self.monitor, (None, None))
         if value is None or (self.monitor.startswith("eval/") and at != step):
             return None
@@ -640,7 +643,7 @@ def _save(ckpts, meter, run, opts, state, step, epoch, position):
             "best_step": run.best_step, "top": run.top, "hooks": run.hook_states(),
             "stop": final, "target": [opts.num_epochs, opts.max_steps]}
     with meter.timed("save"):
-        ckpts.save(step, state, meta, run.ranked(step))
+        ckpts.save(step, state, meta, run.rank(step))
     run.save = False
     if run.stopping in _SIGNALS:
         _say(_verbosity(opts.verbose), f"fit: stopped by {run.stopping} at step {step}; "
@@ -1375,7 +1378,11 @@ class _Checkpoints:
             return state, meta
         self.open()
         self.saved = self.good = self.mgr.latest_step()
-        state, saved = _restore(self.mgr, self.saved, state, "fit")
+        try:
+            state, saved = _restore(self.mgr, self.saved, state, "fit")
+        except BaseException:
+            self.close()  # (the manager's threads and fit's log filter end with it)
+            raise
         return state, {**meta, **saved}
 
     def open(self):
@@ -1386,7 +1393,9 @@ class _Checkpoints:
     def overdue(self):
         """Whether `ckpt_interval` seconds have passed since the last save. Also raises the
         error of an asynchronous save that has failed since, as soon as it is known."""
-        if self.mgr is not None and not self.mgr.is_saving_in_progress():
+        # (One process alone: orbax's wait may be a collective, and processes need not agree on
+        # whether a save is still in progress; there, errors come at the next save.)
+        if self.mgr and jax.process_count() == 1 and not self.mgr.is_saving_in_progress():
             self.wait()  # returns at once; raises a finished save's error
         return time.monotonic() - self.last_time >= self.interval
 
@@ -1620,10 +1629,10 @@ def _local_shards(mesh, axis):
                 if mesh.devices[idx].process_index == jax.process_index()})
 
 
-def _check_schedule(state, opts, total, verbose):
+def _check_schedule(state, opts, total):
     """Warns when the learning rate reaches its final value before half the run and stays near
     0 after, e.g. a schedule built with the wrong steps_per_epoch (`len((x, y))` is 2)."""
-    if not verbose or not total or total < 4:
+    if jax.process_index() != 0 or not total or total < 4:
         return
     lr_at = opts.lr_fn or _schedule_of(state.tx)
     if lr_at is None:
@@ -1638,10 +1647,10 @@ def _check_schedule(state, opts, total, verbose):
         return
     end = int(steps[moving[-1] + 1])
     if end < total / 2:
-        _say(verbose, f"fit: warning: the learning-rate schedule reaches its final value "
-                      f"{lrs[-1]:.3g} at about step {end}, but this run trains {total} steps. "
-                      f"Was it built for this run (e.g. lr_schedule(steps_per_epoch=...): array "
-                      f"data gives ceil(len(x) / batch_size) steps per epoch)?")
+        warnings.warn(f"fit: the learning-rate schedule reaches its final value {lrs[-1]:.3g} at "
+                      f"about step {end}, but this run trains {total} steps. Was it built for "
+                      f"this run (e.g. lr_schedule(steps_per_epoch=...): array data gives "
+                      f"ceil(len(x) / batch_size) steps per epoch)?", stacklevel=3)
 
 
 def _schedule_of(tx):
