@@ -169,40 +169,13 @@ class Options:
         return cls(**kwargs)
 
     def __post_init__(self):
-        for name in ("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "eval_steps",
-                     "batch_size"):
-            if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
-        for name, allowed in (("mode", ("auto", "min", "max")), ("verbose", (0, 1, 2)),
-                              ("on_nonfinite", ("raise", "skip"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"fit: {name} must be one of {allowed}, got "
-                                 f"{getattr(self, name)!r}.")
-        if not isinstance(self.ckpt_interval, (int, float)) or not self.ckpt_interval > 0:
-            raise ValueError(f"fit: ckpt_interval must be a positive number of seconds, got "
-                             f"{self.ckpt_interval!r}.")
+        for f in dataclasses.fields(self):
+            value, rule = getattr(self, f.name), _RULES.get(f.name)
+            if rule and not (value is None and f.default is None or rule[1](value)):
+                raise rule[0](f"fit: {f.name} must be {rule[2]}, got {value!r}.")
         if self.eval_every and self.eval_freq != 1:
             raise ValueError(f"fit: eval_every={self.eval_every} (steps) and eval_freq="
                              f"{self.eval_freq} (epochs) contradict each other; pass one of them.")
-        for name in ("loss_fn", "eval_step", "train_step", "lr_fn"):
-            if getattr(self, name) is not None and not callable(getattr(self, name)):
-                raise TypeError(f"fit: {name} must be a function, got "
-                                f"{type(getattr(self, name)).__name__}.")
-        if not isinstance(self.hooks, (list, tuple)) or not all(map(callable, self.hooks)):
-            raise TypeError(f"fit: hooks must be a list of functions hook(event, run), got "
-                            f"{self.hooks!r}.")
-        if self.hparams is not None and not isinstance(self.hparams, dict):
-            raise TypeError(f"fit: hparams must be a dict of name -> value, got "
-                            f"{type(self.hparams).__name__}.")
-        keys = self.batch_keys
-        if keys is not None and not (isinstance(keys, (tuple, list)) and len(keys) == 2):
-            raise ValueError(f"fit: batch_keys must be a pair (inputs_key, targets_key), got "
-                             f"{keys!r}.")
-        if not isinstance(self.log_name, str) or not re.fullmatch(r"[\w.-]+", self.log_name):
-            raise ValueError(f"fit: log_name must be a non-empty name of letters, digits, '_', "
-                             f"'-' or '.', got {self.log_name!r}.")
         if self.mesh is not None and "data" not in self.mesh.axis_names:
             raise ValueError(f"fit: mesh must have a 'data' axis to shard batches over, got "
                              f"axes {self.mesh.axis_names}.")
@@ -212,7 +185,7 @@ class Options:
         the run is written or how it talks), what the run derived, and the user's `hparams`."""
         skip = ("workdir", "log_name", "resume", "verbose", "tensorboard", "hparams")
         used = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in skip and _is_plain(getattr(self, f.name))}
+                if f.name not in skip and isinstance(getattr(self, f.name), _PLAIN)}
         return {**used, **derived, **(self.hparams or {})}
 
 
@@ -227,7 +200,7 @@ def fit(state, train_ds, test_ds=None, **options):
     test = None if test_ds is None else _Data(test_ds, "test_ds", opts, train=False)
     _check_batching(train, test, opts, mesh)
     _check_processes_agree(train, test)
-    forward, eval_step, finish = _linen_forward, opts.eval_step, None
+    forward, eval_step, finish = _linen_forward, opts.eval_step, lambda state: state
     if _is_nnx(state):  # an nnx model trains as a TrainState of its variables
         state, forward, eval_step, finish = _nnx_adapter(state, opts.optimizer, eval_step)
 
@@ -253,7 +226,7 @@ def fit(state, train_ds, test_ds=None, **options):
     if plan.done(epoch, step) or plan.final(meta):
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
-        return _finish(finish, run.end(state, step, epoch)), run.history
+        return finish(run.end(state, step, epoch)), run.history
     _say(verbose, f"fit: {'resuming' if step else 'starting'} run {ckpts.run!r} at step {step} "
                   f"on {mesh.size} device(s); TensorBoard: tensorboard --logdir "
                   f"{os.path.dirname(ckpts.log_dir)}")
@@ -279,7 +252,7 @@ def fit(state, train_ds, test_ds=None, **options):
                     run.log(state, step, epoch, logged, ckpts.overdue)
                     if plan.due("eval", step, k):
                         run.evaluate(state, step, epoch, evaluate(state))
-                    run.stop_if(signals.reason or ckpts.preempted(step))
+                    run.stopping = run.stopping or signals.reason or ckpts.preempted(step)
                     if last or run.stopping or plan.done(epoch, step):
                         break  # (the save of this step comes after the epoch's end, if any)
                     if run.save or plan.due("ckpt", step, k):
@@ -306,7 +279,7 @@ def fit(state, train_ds, test_ds=None, **options):
     run.history.timing = meter.timing(step)
     if run.stopping in ("SIGTERM", "preemption"):
         raise SystemExit(128 + signal.SIGTERM)  # 143: what schedulers expect after SIGTERM
-    return _finish(finish, state), run.history
+    return finish(state), run.history
 
 
 def load_ckpt(state, ckpt_dir, step=None, optimizer=None):
@@ -317,7 +290,7 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None):
     place, and returned."""
     if _is_nnx(state):
         adapted, _, _, finish = _nnx_adapter(state, optimizer, None, who="load_ckpt")
-        return _finish(finish, load_ckpt(adapted, ckpt_dir, step))
+        return finish(load_ckpt(adapted, ckpt_dir, step))
     if optimizer is not None:
         raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its own "
                          "(tx).")
@@ -454,7 +427,7 @@ class ProgressBar:
         if rate:
             parts.append(f"{rate:.3g} steps/s")
             if run.total_steps:
-                parts.append(f"ETA {_clock((run.total_steps - run.step) / rate)}")
+                parts.append(f"ETA {tqdm.format_interval((run.total_steps - run.step) / rate)}")
         self.bar.set_postfix_str(", ".join(parts), refresh=False)
         self.bar.update(run.step - self.bar.n)
 
@@ -482,7 +455,7 @@ class TensorBoard:
             # TensorBoard drops earlier points from this step on: the resumed run logs the
             # steps after its checkpoint again (0 for a fresh run also clears a crashed try's).
             self.writer = SummaryWriter(run.log_dir, purge_step=run.step + 1 if run.step else 0)
-            _write_through(self.writer)
+            run.writer = _write_through(self.writer)
             if run.step == 0:  # once per run, at its start, so a crashed run shows them too
                 # Only the session's start, not an experiment summary: with one per run,
                 # TensorBoard shows the first it finds and hides the other runs' columns.
@@ -510,27 +483,23 @@ class TensorBoard:
 class _Run:
     """What a hook sees: `event`, `step`, `epoch`, `state` (valid during the call only: the next
     step donates it), `metrics`, `history`, `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`,
-    `writer`, `total_steps`, `num_epochs`, `stopped_early`, `interrupted`; and what it may set:
-    `stop`, `save`, and at train_end `state`. One object for the run; it also keeps the history
-    and the best."""
+    `writer` (set by the TensorBoard hook), `total_steps`, `num_epochs`, `stopped_early`,
+    `interrupted`; and what it may set: `stop`, `save`, and at train_end `state`. One object for
+    the run; it also keeps the history and the best."""
 
     def __init__(self, hooks, plan, ckpts, meta):
         self.hooks, self.monitor, self.mode = hooks, plan.monitor, plan.mode
         self.total_steps, self.num_epochs = plan.total, plan.num_epochs
-        self.log_dir, self.ckpt_dir = ckpts.log_dir, ckpts.ckpt_dir
+        self.log_dir, self.ckpt_dir, self.writer = ckpts.log_dir, ckpts.ckpt_dir, None
         self.history = History(meta["history"])
         self.history.run, self.history.log_dir, self.history.ckpt_dir = (
             ckpts.run, ckpts.log_dir, ckpts.ckpt_dir)
         self.best, self.best_step, self.top = meta["best"], meta["best_step"], meta["top"]
-        self.restored_states, self.max_to_keep = meta["hooks"], plan.max_to_keep
+        self.hook_states, self.max_to_keep = meta["hooks"], ckpts.max_to_keep
         self.stopping = meta["stop"] if plan.final(meta) else None
         self.stopped_early = self.interrupted = self.stop = self.save = False
         self.event = self.step = self.epoch = self.state = None
         self.metrics, self.latest, self.last_eval = {}, {}, None
-
-    @property
-    def writer(self):
-        return next((h.writer for h in self.hooks if isinstance(h, TensorBoard)), None)
 
     def call(self, event, state, step, epoch, metrics=None, save=False):
         """Calls every hook with (event, run), then takes what they asked for. With several
@@ -538,12 +507,12 @@ class _Run:
         self.event, self.state, self.step, self.epoch = event, state, step, epoch
         self.metrics, self.stop, self.save = metrics or {}, False, self.save or save
         self.latest.update({k: (v, step) for k, v in self.metrics.items()})
-        for hook in self.hooks:
+        for i, hook in enumerate(self.hooks):
             hook(event, self)
             if self.stop and not self.stopping:
                 self.stopping = getattr(hook, "__name__", type(hook).__name__)
-        if event == "train_start":
-            self._restore_hook_states()
+            if event == "train_start" and str(i) in self.hook_states and hasattr(hook, "set_state"):
+                hook.set_state(self.hook_states[str(i)])  # what it had at the checkpoint
         if jax.process_count() > 1 and event != "train_end":
             stop, self.save = _agree(bool(self.stopping), self.save)
             self.stopping = self.stopping or ("a hook on process 0" if stop else None)
@@ -585,17 +554,6 @@ class _Run:
         self.top = sorted(self.top + [value], reverse=self.mode == "max")[:self.max_to_keep]
         return value
 
-    def stop_if(self, reason):
-        self.stopping = self.stopping or reason or None
-
-    def hook_states(self):
-        return {str(i): h.get_state() for i, h in enumerate(self.hooks) if hasattr(h, "get_state")}
-
-    def _restore_hook_states(self):
-        for i, hook in enumerate(self.hooks):
-            if str(i) in self.restored_states and hasattr(hook, "set_state"):
-                hook.set_state(self.restored_states[str(i)])
-
     def end(self, state, step, epoch):
         """The train_end hooks; EarlyStopping may swap in the best state here. A run that was
         already finished calls only these, so it returns what its first call returned."""
@@ -617,7 +575,7 @@ def _end_epoch(run, meter, plan, evaluate, overdue, state, step, epoch, complete
     """An epoch's end: its last log interval, its means in the history, the epoch_end hooks,
     then an eval if one is due. `complete=False`: max_steps ended the run inside the epoch."""
     run.log(state, step, epoch, meter.read(step, log_due=True, sync=True), overdue)
-    row = meter.epoch_means()
+    row = meter.means("epoch")
     for name, value in [("epoch", epoch + 1), ("step", step), *row.items()]:
         run.history.setdefault(name, []).append(value)
     if plan.monitor.startswith("train/"):
@@ -638,9 +596,10 @@ def _save(ckpts, meter, run, opts, state, step, epoch, position):
     if run.stopping:
         run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
     final = None if run.stopping in _SIGNALS else run.stopping  # a hook's stop is for good
+    hooks = {str(i): h.get_state() for i, h in enumerate(run.hooks) if hasattr(h, "get_state")}
     meta = {"epoch": epoch, "position": position if position[0] else (0, None),
             "meter": meter.sums, "history": run.history, "best": run.best,
-            "best_step": run.best_step, "top": run.top, "hooks": run.hook_states(),
+            "best_step": run.best_step, "top": run.top, "hooks": hooks,
             "stop": final, "target": [opts.num_epochs, opts.max_steps]}
     with meter.timed("save"):
         ckpts.save(step, state, meta, run.rank(step))
@@ -669,12 +628,10 @@ _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on fr
 class _Data:
     """Turns a data argument into per-epoch iterators of `(batch, position)` on the host, where
     `position` is where the data stands after that batch: `(batches done this epoch, iterator
-    state)`, which a checkpoint saves.
-
-    Arrays `(x, y)` are batched here and shuffled from `(seed, epoch)`. A re-iterable (list,
-    loader) is iterated once per epoch. A one-shot iterator (generator) is read as one stream:
-    with `steps_per_epoch` each epoch takes that many batches from it, else it is one epoch.
-    """
+    state)`, which a checkpoint saves. Arrays `(x, y)` are batched here and shuffled from
+    `(seed, epoch)`. A re-iterable (list, loader) is iterated once per epoch. A one-shot iterator
+    (generator) is read as one stream: with `steps_per_epoch` each epoch takes that many batches
+    from it, else it is one epoch."""
 
     def __init__(self, ds, name, opts, train):
         self.name, self.shuffle, self.seed = name, train, opts.seed
@@ -713,10 +670,9 @@ class _Data:
             raise TypeError(f"fit: {self.name} must be arrays (x, y) or an iterable of batches, "
                             f"got {type(ds).__name__}.") from None
         self.stream = iterator is ds  # a one-shot iterator: generators, tfds.as_numpy, ...
-        try:
-            raw = next(iterator)
-        except StopIteration:
-            raise ValueError(f"fit: {self.name} is empty: it yielded no batches.") from None
+        raw = next(iterator, None)
+        if raw is None:
+            raise ValueError(f"fit: {self.name} is empty: it yielded no batches.")
         # Epoch 0 goes on from this iterator: a loader with workers (torch, grain) starts them
         # at each iter(), which can take seconds.
         self.peeked = None if self.stream else (iterator, raw, _position(iterator))
@@ -735,16 +691,13 @@ class _Data:
 
     def _convert(self, batch, index):
         """A host batch as numpy arrays, with a clear error for anything else."""
-        if isinstance(batch, dict) and self.keys is not None:
-            missing = [k for k in self.keys if k not in batch]
-            if missing:
-                raise KeyError(f"fit: batch_keys {self.keys!r} name keys missing from "
-                               f"{self.name}'s batches, which have keys {sorted(batch)}.")
+        if isinstance(batch, dict) and (self.keys or not self.custom):
+            if not self.keys or not set(self.keys) <= set(batch):
+                raise TypeError(f"fit: {self.name} yields dict batches with keys {sorted(batch)}"
+                                f"; name the inputs and targets among them with batch_keys="
+                                f"(inputs_key, targets_key) (got {self.keys}), or pass your own "
+                                f"train_step/eval_step.")
             batch = (batch[self.keys[0]], batch[self.keys[1]])
-        elif isinstance(batch, dict) and not self.custom:
-            raise TypeError(f"fit: {self.name} yields dict batches with keys {sorted(batch)}; "
-                            f"say which are inputs and targets with batch_keys=(inputs_key, "
-                            f"targets_key), or pass your own train_step/eval_step.")
         if not self.custom and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             length = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
             raise TypeError(f"fit: {self.name} must yield (inputs, targets) pairs, but batch "
@@ -755,7 +708,7 @@ class _Data:
             raise ValueError(f"fit: every array in a batch of {self.name} needs the same "
                              f"leading (batch) dimension; batch {index} has shapes "
                              f"{[a.shape for a in leaves]}.")
-        if self.spec is not None and not _same_but_batch(batch, self.spec):
+        if self.spec is not None and not _same_shapes(batch, self.spec, but_batch=True):
             given = [(a.shape, str(a.dtype)) for a in leaves]
             first = [(s.shape, str(s.dtype)) for s in jax.tree.leaves(self.spec)]
             raise ValueError(f"fit: batch {index} of {self.name} has shapes/dtypes {given}, "
@@ -766,63 +719,45 @@ class _Data:
         """Yields `(batch, position)` for one epoch, skipping the first `skip` batches (already
         trained on before a resume) without converting or placing them."""
         if self.arrays:
-            n, size = len(self.x), self.batch_size
-            rng = np.random.default_rng([self.seed, epoch])
-            order = rng.permutation(n) if self.shuffle else np.arange(n)
+            order = np.arange(len(self.x))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(order)
             for i in range(skip, self.length):
-                idx = order[i * size:(i + 1) * size]
-                if self.shuffle:
-                    idx = np.sort(idx)  # contiguous reads are faster; the set is what is random
+                # (sorted: contiguous reads are faster; the set is what is random)
+                idx = np.sort(order[i * self.batch_size:(i + 1) * self.batch_size])
                 yield (self.x[idx], self.y[idx]), (i + 1, None)
             return
         if self.stream:
             # A resumed stream restarts at its beginning: drop what earlier epochs and this one
             # already consumed (exact when the stream is deterministic).
             drop = skip + epoch * (self.steps_per_epoch or 0) if self.fresh else skip
-            stream = itertools.islice(self.ds, drop, None)
-            if self.steps_per_epoch:
-                stream = itertools.islice(stream, self.steps_per_epoch - skip)
             self.fresh = False
-            for i, raw in enumerate(stream, skip):
-                yield self._convert(raw, i), (i + 1, None)
-            return
-        yield from self._positioned(epoch, skip, data_state)
+            pairs = ((raw, None) for raw in itertools.islice(self.ds, drop, None))
+        else:
+            pairs = self._positioned(epoch, skip, data_state)
+        limit = self.steps_per_epoch - skip if self.steps_per_epoch else None
+        for i, (raw, position) in enumerate(itertools.islice(pairs, limit), skip):
+            yield self._convert(raw, i), (i + 1, position)
 
     def _positioned(self, epoch, skip, data_state):
+        """A re-iterable's batches, each with the iterator's state right after it: where a
+        resume goes on from once that batch has been trained on."""
         peeked, self.peeked = self.peeked, None
         if peeked and not (epoch or skip):
             iterator, raw, position = peeked
-            first = [(raw, position)]
+            yield raw, position
         else:
             if hasattr(self.ds, "set_epoch"):
                 self.ds.set_epoch(epoch)
-            iterator, first = iter(self.ds), []
+            iterator = iter(self.ds)
             if data_state is not None and skip and hasattr(iterator, "set_state"):
                 saved = data_state.get("bytes")
                 iterator.set_state(saved.encode() if saved else data_state["state"])
             else:
                 for _ in range(skip):  # (not islice: that would hide get_state)
                     next(iterator, None)
-
-        def fetched():
-            while True:
-                try:
-                    raw = next(iterator)
-                except StopIteration:
-                    return
-                # The iterator's state right after the batch: where a resume goes on from once
-                # this batch has been trained on.
-                yield raw, _position(iterator)
-        limit = (self.steps_per_epoch - skip) if self.steps_per_epoch else None
-        batches = itertools.islice(itertools.chain(first, fetched()), limit)
-        for i, (raw, position) in enumerate(batches, skip):
-            yield self._convert(raw, i), (i + 1, position)
-
-
-def _same_but_batch(batch, spec):
-    leaves, specs = jax.tree.leaves(batch), jax.tree.leaves(spec)
-    return jax.tree.structure(batch) == jax.tree.structure(spec) and all(
-        a.shape[1:] == s.shape[1:] and a.dtype == s.dtype for a, s in zip(leaves, specs))
+        for raw in iter(lambda: next(iterator, None), None):
+            yield raw, _position(iterator)
 
 
 def _position(iterator):
@@ -831,9 +766,7 @@ def _position(iterator):
     if not (hasattr(iterator, "get_state") and hasattr(iterator, "set_state")):
         return None
     state = iterator.get_state()
-    if isinstance(state, bytes):
-        return {"bytes": state.decode()}
-    return {"state": _jsonable(state)}
+    return {"bytes": state.decode()} if isinstance(state, bytes) else {"state": _jsonable(state)}
 
 
 def _grouped(batches, k, step, max_steps=None):
@@ -860,9 +793,13 @@ def _grouped(batches, k, step, max_steps=None):
     yield from ((b, p, 1) for b, p in group)
 
 
-def _same_shapes(a, b):
+def _same_shapes(a, b, but_batch=False):
+    """Whether two batches have the same structure and shapes (`but_batch`: and dtypes, the
+    leading dimension aside)."""
+    same = lambda x, y: x.shape[but_batch:] == y.shape[but_batch:] and (
+        not but_batch or x.dtype == y.dtype)
     return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        map(same, jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _prefetch(batches, put, size=2):
@@ -908,7 +845,6 @@ class _Plan:
         self.every = {"log": opts.log_every, "ckpt": opts.ckpt_every,
                       "eval": opts.eval_every if test is not None else None}
         self.eval_freq, self.has_test = opts.eval_freq, test is not None
-        self.max_to_keep = opts.max_to_keep
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, train_names, eval_names)
         self._check_one_shot(train, test, opts)
 
@@ -1223,10 +1159,6 @@ def _nnx_adapter(model, optimizer, eval_step, who="fit"):
     return state, forward, eval_step and eval_fn, finish
 
 
-def _finish(finish, state):
-    return state if finish is None else finish(state)
-
-
 class _Meter:
     """The host side of train metrics and of time. Metrics are summed on device; at a log point
     `read` keeps a reference and reads it one step later, when the device has finished it, so
@@ -1236,25 +1168,24 @@ class _Meter:
     def __init__(self, steps, opts, sums, step):
         self.names, self.acc0, self.acc = steps.acc_names, steps.acc0, steps.acc0
         self.skipping, self.lr_known = opts.on_nonfinite == "skip", steps.lr_known
-        self.sums = sums or {"log": {"sum": {}, "n": 0}, "epoch": {"sum": {}, "n": 0},
-                             "skipped": 0}
+        # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
+        self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
         self.pending, self.lr, self.logged, self.first_step = None, None, step, step
         self.compiled, self.inflight, self.compile_shown = set(), collections.deque(), False
-        self.spent = dict.fromkeys(("compile", "eval", "save", "finish", "data"), 0.0)
-        self.counts = dict.fromkeys(("compile", "eval", "save", "finish"), 0)
+        # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
+        self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data")}
         self.spent_steps, self.data_logged = 0, 0.0
         self.t0 = self.t_ready = self.t_logged = time.perf_counter()
 
     def train(self, steps, state, batch, k):
         """Dispatches one step (or k); only a new batch shape waits, to time its compile."""
-        self.spent["data"] += time.perf_counter() - self.t_ready  # the host fetching data
+        self.spent["data"][0] += time.perf_counter() - self.t_ready
         shape = (k, jax.tree.leaves(batch)[0].shape)
         if shape in self.compiled:
             state, self.acc = steps.train(state, self.acc, batch, k)
         else:  # one wait per new shape, so compile time is kept out of the rate
             with self.timed("compile", k):
-                state, self.acc = steps.train(state, self.acc, batch, k)
-                jax.block_until_ready(self.acc)
+                state, self.acc = jax.block_until_ready(steps.train(state, self.acc, batch, k))
             self.compiled.add(shape)
         # Keep the host at most two calls ahead, so it does not queue up batches.
         self.inflight.append(self.acc["count"])
@@ -1267,18 +1198,16 @@ class _Meter:
         """Returns `[(step, metrics)]` of the log points that are ready. Without `sync`, the
         interval stashed at the last log point (finished by now), and this one is stashed if a
         log is due. With `sync` (a save, an epoch end), everything up to `step` is read now."""
-        logged = []
-        if self.pending is not None:
-            acc, at = self.pending
-            self.pending = None
-            self._add(jax.device_get(acc), at)
-            logged += self._interval(at)
-        if sync:
-            self._add(jax.device_get(self.acc), step)
+        ready, self.pending = ([self.pending] if self.pending else []), None
+        if sync or log_due:
+            ready.append((self.acc, step, log_due))
             self.acc = self.acc0
-            logged += self._interval(step) if log_due else []
-        elif log_due:
-            self.pending, self.acc = (self.acc, step), self.acc0
+        if not sync and log_due:
+            self.pending = ready.pop()
+        logged = []
+        for acc, at, log in ready:
+            self._add(jax.device_get(acc), at)
+            logged += self._interval(at) if log else []
         return logged
 
     def _add(self, acc, step):
@@ -1290,45 +1219,40 @@ class _Meter:
                 f"fit: non-finite values (NaN or Inf) in {what} at step {first_bad + 1} (checked "
                 f"by step {step}); no checkpoint was written after it. Lower the learning rate, "
                 f"check the data, or pass on_nonfinite='skip' to drop such updates.")
-        for part in ("log", "epoch"):
-            sums = self.sums[part]["sum"]
-            for name, value in zip(self.names, acc["sum"]):
-                if name != "parameters":
-                    sums[name] = sums.get(name, 0.0) + float(value)
-            self.sums[part]["n"] += n
+        values = {k: float(v) for k, v in zip(self.names, acc["sum"]) if k != "parameters"}
+        for part in (self.sums["log"], self.sums["epoch"]):
+            part[0] += n
+            part[1] = {k: part[1].get(k, 0.0) + v for k, v in values.items()}
         self.sums["skipped"] += n_bad
-        if self.lr_known:
-            self.lr = float(acc["lr"])
+        self.lr = float(acc["lr"]) if self.lr_known else None
 
     def _interval(self, step):
         """The means of the interval that ends at `step`, with the learning rate and speed."""
         if step == self.logged:
             return []
-        n = self.sums["log"]["n"]  # (0 when every step of the interval was skipped: no means)
-        means = {f"train/{k}": v / n for k, v in self.sums["log"]["sum"].items()} if n else {}
+        means = self.means("log")  # (none when every step of the interval was skipped)
         if self.lr is not None:
             means["train/lr"] = self.lr
-        if self.skipping:
-            means["train/skipped_steps"] = self.sums["skipped"]
         now, rate = time.perf_counter(), self.steady_rate(step)
         if rate:
             means["perf/steps_per_s"] = rate
-        waited = self.spent["data"] - self.data_logged
+        waited = self.spent["data"][0] - self.data_logged
         means["perf/data_wait_fraction"] = waited / max(now - self.t_logged, 1e-9)
-        if self.counts["compile"] and not self.compile_shown:  # once: it is not a curve
-            means["perf/compile_s"], self.compile_shown = self.spent["compile"], True
-        self.sums["log"] = {"sum": {}, "n": 0}
-        self.logged, self.t_logged, self.data_logged = step, now, self.spent["data"]
+        if self.spent["compile"][1] and not self.compile_shown:  # once: it is not a curve
+            means["perf/compile_s"], self.compile_shown = self.spent["compile"][0], True
+        self.logged, self.t_logged, self.data_logged = step, now, self.spent["data"][0]
         return [(step, means)]
 
-    def epoch_means(self):
-        n = self.sums["epoch"]["n"]  # (0 if every step was skipped as non-finite: NaN, not 0)
-        row = {f"train/{k}": v / n if n else float("nan")
-               for k, v in self.sums["epoch"]["sum"].items()}
+    def means(self, part):
+        """The means of a part's sums, which then start again. An epoch whose every step was
+        skipped as non-finite has NaN means; such a log interval has none."""
+        n, sums = self.sums[part]
+        self.sums[part] = [0, {}]
+        sums = sums if n or part == "epoch" else {}
+        means = {f"train/{k}": v / n if n else math.nan for k, v in sums.items()}
         if self.skipping:
-            row["train/skipped_steps"] = self.sums["skipped"]
-        self.sums["epoch"] = {"sum": {}, "n": 0}
-        return row
+            means["train/skipped_steps"] = self.sums["skipped"]
+        return means
 
     @contextlib.contextmanager
     def timed(self, what, steps=0):
@@ -1336,20 +1260,20 @@ class _Meter:
         commit, to leave it out of the rate."""
         t = time.perf_counter()
         yield
-        self.spent[what] += time.perf_counter() - t
+        self.spent[what][0] += time.perf_counter() - t
+        self.spent[what][1] += 1
         self.spent_steps += steps
-        self.counts[what] += 1
         self.t_ready = time.perf_counter()
 
     def steady_rate(self, step):
-        busy = sum(v for k, v in self.spent.items() if k != "data")
-        seconds = time.perf_counter() - self.t0 - busy
+        seconds = time.perf_counter() - self.t0 - sum(
+            s for k, (s, _) in self.spent.items() if k != "data")
         steps = step - self.first_step - self.spent_steps
         return steps / seconds if steps > 0 and seconds > 0 else None
 
     def timing(self, step):
-        return {**{f"{k}_s": v for k, v in self.spent.items()},
-                **{f"{k}_count": v for k, v in self.counts.items()},
+        return {**{f"{k}_s": s for k, (s, _) in self.spent.items()},
+                **{f"{k}_count": n for k, (_, n) in self.spent.items() if k != "data"},
                 "steps": step - self.first_step, "steady_steps_per_s": self.steady_rate(step),
                 "wall_s": time.perf_counter() - self.t0}
 
@@ -1367,7 +1291,7 @@ class _Checkpoints:
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
         self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, opts.max_to_keep
         self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
-        self.mgr, self.saved, self.good, self.quiet = None, None, None, _QuietOrbax()
+        self.mgr, self.saved, self.good = None, None, None
 
     def restore(self, state):
         """The state and meta of the run's latest checkpoint, or the state as given."""
@@ -1387,7 +1311,7 @@ class _Checkpoints:
 
     def open(self):
         if self.mgr is None:
-            logging.getLogger("absl").addFilter(self.quiet)
+            logging.getLogger("absl").addFilter(_quiet_orbax)
             self.mgr = _manager(self.ckpt_dir, self.monitor, self.mode, self.max_to_keep)
 
     def overdue(self):
@@ -1437,15 +1361,13 @@ class _Checkpoints:
         finally:
             if self.mgr is not None:
                 self.mgr.close()
-            logging.getLogger("absl").removeFilter(self.quiet)
+            logging.getLogger("absl").removeFilter(_quiet_orbax)
 
 
-class _QuietOrbax(logging.Filter):
+def _quiet_orbax(record):
     """Orbax's background threads log a failed save's traceback (through absl's logger) before
     fit can raise it as one clear error; hide those records while fit runs, and only those."""
-
-    def filter(self, record):
-        return f"{os.sep}orbax{os.sep}" not in record.pathname
+    return f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
 def _manager(ckpt_dir, monitor, mode, max_to_keep):
@@ -1670,10 +1592,35 @@ def _schedule_of(tx):
     return None if found is None else lr_at
 
 
-def _check_positive_int(name, value, where="fit"):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}.")
+def _positive_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0
 
+
+_RULES = {  # option: (the error, is a value valid?, what it must be); None passes where it is
+    # the default
+    **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit",
+                     "ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "eval_steps",
+                     "batch_size"), (ValueError, _positive_int, "a positive integer")),
+    **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn"),
+                    (TypeError, callable, "a function")),
+    "mode": (ValueError, lambda v: v in ("auto", "min", "max"), "'auto', 'min' or 'max'"),
+    "verbose": (ValueError, lambda v: v in (0, 1, 2), "0, 1 or 2"),
+    "on_nonfinite": (ValueError, lambda v: v in ("raise", "skip"), "'raise' or 'skip'"),
+    "ckpt_interval": (ValueError, lambda v: isinstance(v, (int, float)) and v > 0,
+                      "a positive number of seconds"),
+    "hooks": (TypeError, lambda v: isinstance(v, (list, tuple)) and all(map(callable, v)),
+              "a list of functions hook(event, run)"),
+    "hparams": (TypeError, lambda v: isinstance(v, dict), "a dict of name -> value"),
+    "batch_keys": (ValueError, lambda v: isinstance(v, (tuple, list)) and len(v) == 2,
+                   "a pair (inputs_key, targets_key)"),
+    "log_name": (ValueError, lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]+", v),
+                 "a non-empty name of letters, digits, '_', '-' or '.'"),
+}
+
+
+def _check_positive_int(name, value, where):
+    if not _positive_int(value):
+        raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}.")
 
 def _check_writable(workdir):
     """Fails before any directory is made, on the nearest existing ancestor of `workdir`."""
@@ -1757,6 +1704,7 @@ def _write_through(writer):
     # internals in this file; check it when tensorboardX moves past 2.6.
     events = writer.file_writer.event_writer
     events.add_event = events._ev_writer.write_event
+    return writer
 
 
 def _verbosity(verbose):
@@ -1772,18 +1720,12 @@ def _say(verbose, message):
         tqdm.write(message)
 
 
-def _clock(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
-
-
 def _jsonable(tree):
     as_json = lambda o: o.item() if hasattr(o, "item") else str(o)  # numpy scalars; the rest
     return json.loads(json.dumps(tree, default=as_json))
 
 
-def _is_plain(value):
-    return value is None or isinstance(value, (bool, int, float, str, np.generic))
+_PLAIN = (type(None), bool, int, float, str, np.generic)  # hparams TensorBoard can show
 
 
 def _hparam_value(value):
