@@ -302,19 +302,13 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None):
         steps = mgr.all_steps()
         if not steps:
             raise FileNotFoundError(f"load_ckpt: {ckpt_dir} holds no complete checkpoint.")
-        if step in (None, "last"):
-            step = max(steps)
-        elif step == "best":
+        if step == "best":  # the best step that the latest checkpoint knows of
             meta = mgr.restore(max(steps), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            best = meta["meta"]["best_step"]
-            step = max(steps) if best is None else best
-            if step not in steps:
-                raise FileNotFoundError(f"load_ckpt: the best step {step} is no longer in "
-                                        f"{ckpt_dir} (it holds {sorted(steps)}); load one of "
-                                        f"those steps.")
-        elif step not in steps:
+            step = meta["meta"]["best_step"]
+        step = max(steps) if step in (None, "last") else step
+        if step not in steps:
             raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
-                             f"{sorted(steps)} (or pass 'last' or 'best').")
+                             f"{sorted(steps)}: pass one of those, 'last' or 'best'.")
         sharding = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
         replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P())
         placed = _place_state(state, 0, replicated)
@@ -862,11 +856,9 @@ class _Plan:
 
     def final(self, meta):
         """Whether a hook ended the run for good: it goes on only if asked to go further."""
-        if not meta["stop"]:
-            return False
         epochs, max_steps = meta["target"]
-        further = self.num_epochs > epochs or (self.max_steps or math.inf) > (max_steps or math.inf)
-        return not further
+        return bool(meta["stop"]) and self.num_epochs <= epochs and (
+            (self.max_steps or math.inf) <= (max_steps or math.inf))
 
     def _check_one_shot(self, train, test, opts):
         fix = ("pass a re-iterable (a list, a loader, arrays (x, y) with batch_size=), "
@@ -939,8 +931,8 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
     n = len(names)
-    acc0 = jax.device_put({"sum": np.zeros(n, np.float32), "bad_by": np.zeros(n, np.int32),
-                           "count": np.zeros(3, np.int32), "lr": np.float32(0)}, replicated)
+    acc0 = jax.device_put({"sum": np.zeros(n, np.float32), "count": np.zeros(3, np.int32),
+                           "lr": np.float32(0)}, replicated)
     eval_fn, eval_names, eval0 = None, [], None
     if test is not None:
         if eval_step is None and opts.loss_fn is None:
@@ -961,15 +953,13 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
 def _linen_forward(state, params, inputs, rng, train):
     """A linen model's call: `(outputs, new batch_stats)`. BatchNorm statistics update in train
     mode; dropout draws from `rng`."""
-    if not jax.tree.leaves(state.batch_stats):
-        kwargs = {"rngs": {"dropout": rng}} if train else {}
-        return state.apply_fn({"params": params}, inputs, train=train, **kwargs), state.batch_stats
-    variables = {"params": params, "batch_stats": state.batch_stats}
-    if not train:
-        return state.apply_fn(variables, inputs, train=False), state.batch_stats
-    out, updates = state.apply_fn(variables, inputs, train=True, rngs={"dropout": rng},
-                                  mutable=["batch_stats"])
-    return out, updates["batch_stats"]
+    has_stats = bool(jax.tree.leaves(state.batch_stats))
+    variables = {"params": params, **({"batch_stats": state.batch_stats} if has_stats else {})}
+    kwargs = {"rngs": {"dropout": rng}, "mutable": ["batch_stats"] if has_stats else False}
+    out = state.apply_fn(variables, inputs, train=train, **(kwargs if train else {}))
+    if train and has_stats:  # (with mutable collections, apply returns them beside the outputs)
+        return out[0], out[1]["batch_stats"]
+    return out, state.batch_stats
 
 
 def _default_train_step(forward, loss_fn, axis_name=None):
@@ -1041,8 +1031,7 @@ def _train_and_accumulate(step_fn, names, lr_of, skip, state, acc, batch):
     norm = optax.tree.norm(new_state.params)
     metrics = {**metrics, "param_norm": metrics.get("param_norm", norm), "parameters": norm}
     values = jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in names])
-    bad = ~jnp.isfinite(values)
-    finite = ~jnp.any(bad)
+    finite = jnp.all(jnp.isfinite(values))
     if skip:  # keep the old state on device, no host round trip; the step counts on
         new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
         new_state = new_state.replace(step=state.step + 1)
@@ -1053,8 +1042,7 @@ def _train_and_accumulate(step_fn, names, lr_of, skip, state, acc, batch):
     lr = acc["lr"] if lr_of is None else jnp.asarray(lr_of(new_state), jnp.float32)
     first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
     count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
-    return new_state, {"sum": acc["sum"] + values, "bad_by": acc["bad_by"] + bad,
-                       "count": count.astype(jnp.int32), "lr": lr}
+    return new_state, {"sum": acc["sum"] + values, "count": count.astype(jnp.int32), "lr": lr}
 
 
 def _eval_and_accumulate(eval_step, names, state, acc, batch):
@@ -1213,7 +1201,7 @@ class _Meter:
     def _add(self, acc, step):
         n, n_bad, first_bad = (int(v) for v in acc["count"])
         if n_bad and not self.skipping:
-            bad = [k for k, v in zip(self.names, acc["bad_by"]) if v]
+            bad = [k for k, v in zip(self.names, acc["sum"]) if not np.isfinite(v)]  # (NaN sums)
             what = ", ".join(sorted(bad, key=lambda k: k != "loss"))
             raise FloatingPointError(
                 f"fit: non-finite values (NaN or Inf) in {what} at step {first_bad + 1} (checked "
@@ -1422,19 +1410,16 @@ def _pick_run(workdir, log_name, resume):
     """Run names are `<log_name>_<n>`. A fresh run takes the next free n, so it never touches an
     earlier run's files; `resume=True` takes the highest existing n, if any. Returns the name
     and whether it has a checkpoint to go on from. Makes no directory."""
-    taken = set()
-    for sub in ("logs", "checkpoints"):
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.listdir(os.path.join(workdir, sub)):
-                m = re.fullmatch(re.escape(log_name) + r"_(\d+)", entry)
-                if m:
-                    taken.add(int(m.group(1)))
+    def listed(*path):
+        path = os.path.join(workdir, *path)
+        return os.listdir(path) if os.path.isdir(path) else []
+    runs = [re.fullmatch(re.escape(log_name) + r"_(\d+)", e) for e in listed("logs") +
+            listed("checkpoints")]
+    taken = {int(m.group(1)) for m in runs if m}
     n, restored = max(taken, default=0) + 1, False
     if resume and taken:  # the latest run: from its checkpoint, or afresh if it saved none
         n = max(taken)
-        with contextlib.suppress(FileNotFoundError):
-            entries = os.listdir(os.path.join(workdir, "checkpoints", f"{log_name}_{n}"))
-            restored = any(d.isdigit() for d in entries)
+        restored = any(d.isdigit() for d in listed("checkpoints", f"{log_name}_{n}"))
     if jax.process_count() > 1:  # process 0's choice, by a collective that every process reaches
         n, restored = (int(v) for v in multihost_utils.broadcast_one_to_all(
             np.array([n, restored], np.int32)))
@@ -1451,10 +1436,9 @@ class _Signals:
         self.reason, self.previous, self.forwarded = None, {}, False
 
     def __enter__(self):
+        sigs = [signal.SIGINT] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                if sig == signal.SIGINT or jax.process_count() == 1:
-                    self.previous[sig] = signal.signal(sig, self._handle)
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
         return self
 
     def _handle(self, sig, frame):
@@ -1528,9 +1512,8 @@ def _check_processes_agree(*datas):
     if jax.process_count() == 1:
         return
     mine = "; ".join(d.describe() for d in datas if d is not None).encode()
-    row = np.zeros(32 + 2048, np.uint8)  # a digest to compare, the text (cut) to show
-    row[:32] = np.frombuffer(hashlib.sha256(mine).digest(), np.uint8)
-    row[32:32 + len(mine[:2048])] = np.frombuffer(mine[:2048], np.uint8)
+    # A digest to compare, then the text to show (cut to a fixed length, as a gather needs).
+    row = np.frombuffer(hashlib.sha256(mine).digest() + mine[:2048].ljust(2048, b"\0"), np.uint8)
     rows = np.asarray(multihost_utils.process_allgather(row))
     if (rows[:, :32] == rows[0, :32]).all():
         return
@@ -1556,14 +1539,12 @@ def _check_schedule(state, opts, total):
     0 after, e.g. a schedule built with the wrong steps_per_epoch (`len((x, y))` is 2)."""
     if jax.process_index() != 0 or not total or total < 4:
         return
-    lr_at = opts.lr_fn or _schedule_of(state.tx)
-    if lr_at is None:
-        return
     steps = np.linspace(0, total - 1, 65).astype(np.int32)
     try:
-        lrs = np.asarray(jax.jit(jax.vmap(lr_at))(steps), np.float64)
-    except Exception:  # not a schedule fit understands: nothing to say
+        lrs = jax.jit(jax.vmap(opts.lr_fn or functools.partial(_scheduled_lr, state.tx)))(steps)
+    except Exception:  # no schedule that fit can see: nothing to say
         return
+    lrs = np.asarray(lrs, np.float64)
     moving = np.flatnonzero(lrs != lrs[-1])
     if not len(moving) or abs(lrs[-1]) > 0.01 * np.abs(lrs).max():
         return
@@ -1575,21 +1556,14 @@ def _check_schedule(state, opts, total):
                       f"ceil(len(x) / batch_size) steps per epoch)?", stacklevel=3)
 
 
-def _schedule_of(tx):
-    """The learning-rate schedule inside an `optax.inject_hyperparams` optimizer, as a function
-    of the step, found through public optax calls; None if there is none."""
+def _scheduled_lr(tx, step):
+    """The learning rate at `step` of an `optax.inject_hyperparams` optimizer's schedule, found
+    through public optax calls (an error where there is none)."""
+    s = tx.init({})
+    wrapped = optax.tree.get(s, "WrappedScheduleState")
+    s = optax.tree.set(s, WrappedScheduleState=wrapped._replace(count=step))
     is_array = lambda path, value: isinstance(value, jax.Array)
-
-    def lr_at(step):
-        s = tx.init({})
-        wrapped = optax.tree.get(s, "WrappedScheduleState")
-        s = optax.tree.set(s, WrappedScheduleState=wrapped._replace(count=step))
-        return optax.tree.get(tx.update({}, s, {})[1], "learning_rate", filtering=is_array)
-    try:  # (eval_shape: an eager init would compile its ops, ~20 ms each)
-        found = optax.tree.get(jax.eval_shape(tx.init, {}), "WrappedScheduleState")
-    except Exception:
-        return None
-    return None if found is None else lr_at
+    return optax.tree.get(tx.update({}, s, {})[1], "learning_rate", filtering=is_array)
 
 
 def _positive_int(value):
