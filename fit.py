@@ -102,7 +102,8 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
     cosine decay that reaches `end_value` (default 0) exactly at the last step,
     `epochs * steps_per_epoch - 1`. Returns an optax schedule (step -> learning rate)."""
     for name, value in (("steps_per_epoch", steps_per_epoch), ("epochs", epochs)):
-        _check_positive_int(name, value, "lr_schedule")
+        if not _positive_int(value):
+            raise ValueError(f"lr_schedule: {name} must be a positive integer, got {value!r}.")
     if not (isinstance(warmup_epochs, (int, float)) and 0 <= warmup_epochs < epochs):
         raise ValueError(f"lr_schedule: warmup_epochs must be >= 0 and shorter than epochs, got "
                          f"warmup_epochs={warmup_epochs!r} and epochs={epochs!r}; lower "
@@ -198,8 +199,7 @@ def fit(state, train_ds, test_ds=None, **options):
     mesh = _mesh(opts)
     train = _Data(train_ds, "train_ds", opts, train=True)
     test = None if test_ds is None else _Data(test_ds, "test_ds", opts, train=False)
-    _check_batching(train, test, opts, mesh)
-    _check_processes_agree(train, test)
+    _check_data(train, test, opts, mesh)
     forward, eval_step, finish = _linen_forward, opts.eval_step, lambda state: state
     if _is_nnx(state):  # an nnx model trains as a TrainState of its variables
         state, forward, eval_step, finish = _nnx_adapter(state, opts.optimizer, eval_step)
@@ -335,7 +335,9 @@ class EarlyStopping:
     so a resumed or extended run goes on counting."""
 
     def __init__(self, patience=3, min_delta=0.0, restore_best=True, monitor=None):
-        _check_positive_int("patience", patience, "EarlyStopping")
+        if not _positive_int(patience):
+            raise ValueError(f"EarlyStopping: patience must be a positive integer, got "
+                             f"{patience!r}.")
         self.patience, self.min_delta = patience, min_delta
         self.restore_best, self.monitor = restore_best, monitor
         self.best, self.bad = None, 0
@@ -393,21 +395,23 @@ class ProgressBar:
         self.verbose, self.bar, self.line, self.shown = verbose, None, None, {}
 
     def __call__(self, event, run):
-        if self.line and event != "eval":
-            self._print_line()  # an epoch's line waits for that epoch's eval, if one follows
+        if self.line:  # an epoch's line waits for an eval of its step, if one follows
+            step, head, metrics = self.line
+            self.line = None
+            if event == "eval" and run.step == step:
+                metrics = {**metrics, **run.metrics}
+            shown = [f"{k} {v:.4g}" for k, v in metrics.items() if not k.startswith("perf/")]
+            tqdm.write(f"{head}: {', '.join(shown)}")  # (above an open bar, which it redraws)
+        if event == "epoch_end":
+            self.line = (run.step, f"epoch {run.epoch + 1}/{run.num_epochs}, step {run.step}",
+                         dict(run.metrics))
+        if event in ("log", "eval"):
+            self.shown.update(run.metrics)
         if event == "train_start" and self.verbose == 1:
             self.bar = _Bar(total=run.total_steps, initial=run.step, unit="step",
                             dynamic_ncols=True, disable=False,
                             bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                                        "[{elapsed}{postfix}]")
-        if event in ("log", "eval"):
-            self.shown.update(run.metrics)
-        if event == "epoch_end":
-            self.line = (f"epoch {run.epoch + 1}/{run.num_epochs}, step {run.step}",
-                         dict(run.metrics))
-        elif event == "eval" and self.line:
-            self.line[1].update(run.metrics)
-            self._print_line()
         elif event == "train_end" and self.bar is not None:
             self.bar.close()
         if self.bar is not None and event in ("train_start", "log"):
@@ -425,12 +429,6 @@ class ProgressBar:
         self.bar.set_postfix_str(", ".join(parts), refresh=False)
         self.bar.update(run.step - self.bar.n)
 
-    def _print_line(self):
-        head, metrics = self.line
-        self.line = None
-        shown = [f"{k} {v:.4g}" for k, v in metrics.items() if not k.startswith("perf/")]
-        tqdm.write(f"{head}: {', '.join(shown)}")  # (above an open bar, which it redraws)
-
 
 class _Bar(tqdm):
     monitor_interval = 0  # tqdm's monitor thread would outlive fit; fit updates the bar itself
@@ -442,14 +440,24 @@ class TensorBoard:
     for the HParams tab, all in the run's own directory. `run.writer` is its SummaryWriter."""
 
     def __init__(self, hparams):
-        self.hparams, self.writer = {k: _hparam_value(v) for k, v in hparams.items()}, None
+        # TensorBoard takes numbers, strings and booleans: numpy scalars become numbers (through
+        # JSON), the rest (None, lists) their text.
+        self.hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
+                        for k, v in _jsonable(hparams).items()}
+        self.writer = None
 
     def __call__(self, event, run):
         if event == "train_start":
             # TensorBoard drops earlier points from this step on: the resumed run logs the
             # steps after its checkpoint again (0 for a fresh run also clears a crashed try's).
-            self.writer = SummaryWriter(run.log_dir, purge_step=run.step + 1 if run.step else 0)
-            run.writer = _write_through(self.writer)
+            purge = run.step + 1 if run.step else 0
+            run.writer = self.writer = SummaryWriter(run.log_dir, purge_step=purge)
+            # tensorboardX 2.6 queues events for a thread that writes them, and its flush() skips
+            # that queue: an event can miss the flush before a checkpoint, and a killed run would
+            # then lose logs that its resume skips. Write events directly instead. The one use of
+            # a library's internals in this file; check it when tensorboardX moves past 2.6.
+            events = self.writer.file_writer.event_writer
+            events.add_event = events._ev_writer.write_event
             if run.step == 0:  # once per run, at its start, so a crashed run shows them too
                 # Only the session's start, not an experiment summary: with one per run,
                 # TensorBoard shows the first it finds and hides the other runs' columns.
@@ -457,9 +465,8 @@ class TensorBoard:
         elif self.writer is None:
             return
         elif event in ("log", "eval", "epoch_end"):
-            for name, value in run.metrics.items():
-                if event != "epoch_end":
-                    self.writer.add_scalar(name, value, run.step)
+            for name, value in run.metrics.items() if event != "epoch_end" else ():
+                self.writer.add_scalar(name, value, run.step)
             tracked = "eval" if run.monitor.startswith("eval/") else "epoch_end"
             if event == tracked and run.best is not None:
                 self.writer.add_scalar(f"best/{run.monitor}", run.best, run.step)
@@ -508,7 +515,8 @@ class _Run:
             if event == "train_start" and str(i) in self.hook_states and hasattr(hook, "set_state"):
                 hook.set_state(self.hook_states[str(i)])  # what it had at the checkpoint
         if jax.process_count() > 1 and event != "train_end":
-            stop, self.save = _agree(bool(self.stopping), self.save)
+            flags = np.array([bool(self.stopping), self.save], np.int32)  # process 0's, for all
+            stop, self.save = (bool(v) for v in multihost_utils.broadcast_one_to_all(flags))
             self.stopping = self.stopping or ("a hook on process 0" if stop else None)
         return self.state
 
@@ -609,11 +617,11 @@ def _evaluate(steps, test, put, meter, state):
         acc = steps.eval0
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), put):
             acc = steps.eval(state, acc, batch)
-        acc = jax.device_get(acc)
-    if not acc["n"]:
+        *sums, n = jax.device_get(acc).tolist()
+    if not n:
         raise ValueError("fit: test_ds yielded no batches; a generator can be iterated only "
                          "once: pass a list or a re-iterable loader.")
-    return {k: float(v) / float(acc["n"]) for k, v in zip(steps.eval_names, acc["sum"])}
+    return {k: v / n for k, v in zip(steps.eval_names, sums)}
 
 
 _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
@@ -898,9 +906,8 @@ def _pick_monitor(monitor, mode, train_names, eval_names):
     return monitor, mode
 
 
-class _Steps(collections.namedtuple("_Steps", "train eval acc0 eval0 acc_names train_names "
-                                              "eval_names lr_known")):
-    """The compiled functions of a run and what they return (see _build_steps)."""
+_Steps = collections.namedtuple("_Steps", "train eval acc0 eval0 acc_names train_names "
+                                          "eval_names lr_known")  # what _build_steps makes
 
 
 def _build_steps(state, train, test, opts, mesh, forward, eval_step):
@@ -930,21 +937,30 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
-    n = len(names)
-    acc0 = jax.device_put({"sum": np.zeros(n, np.float32), "count": np.zeros(3, np.int32),
-                           "lr": np.float32(0)}, replicated)
+    acc0 = jax.device_put({"sum": np.zeros(len(names), np.float32),
+                           "count": np.zeros(3, np.int32), "lr": np.float32(0)}, replicated)
     eval_fn, eval_names, eval0 = None, [], None
     if test is not None:
         if eval_step is None and opts.loss_fn is None:
             raise ValueError("fit: pass eval_step=, or loss_fn= for an eval of the loss, to "
                              "evaluate on test_ds.")
-        inner = jax.jit(eval_step or _default_eval_step(forward, opts.loss_fn))
+
+        def loss_eval(state, batch):  # without an eval_step: loss_fn's, in inference mode
+            outputs, _ = forward(state, state.params, batch[0], None, False)
+            loss, metrics = _split_loss(opts.loss_fn(outputs, batch[1]))
+            return {"loss": loss, **metrics}
+
+        inner = jax.jit(eval_step or loss_eval)
         who = "eval_step" if eval_step else "loss_fn"
         eval_names = _metric_names(_trace(inner, state, test.spec, opts), who, "accuracy")
-        eval_fn = jax.jit(functools.partial(_eval_and_accumulate, inner, tuple(eval_names)),
-                          out_shardings=replicated)
-        eval0 = jax.device_put({"sum": np.zeros(len(eval_names), np.float32),
-                                "n": np.float32(0)}, replicated)
+
+        def accumulate(state, acc, batch):  # the sums of the metrics weighted by batch size, n
+            n = jax.tree.leaves(batch)[0].shape[0]
+            metrics = _as_dict(inner(state, batch), "accuracy")
+            return acc + n * jnp.stack([*(metrics[k] for k in eval_names), 1.0]).astype(jnp.float32)
+
+        eval_fn = jax.jit(accumulate, out_shardings=replicated)
+        eval0 = jax.device_put(np.zeros(len(eval_names) + 1, np.float32), replicated)
     run_train = lambda state, acc, batch, k: (train_1 if k == 1 else train_k)(state, acc, batch)
     return _Steps(run_train, eval_fn, acc0, eval0, names,
                   [k for k in names if k != "parameters"], eval_names, lr_of is not None)
@@ -984,15 +1000,6 @@ def _default_train_step(forward, loss_fn, axis_name=None):
         state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
         return state, {"loss": loss, **metrics, "grad_norm": optax.tree.norm(grads)}
     return train_step
-
-
-def _default_eval_step(forward, loss_fn):
-    """Without an eval_step, eval reports loss_fn's loss and metrics in inference mode."""
-    def eval_step(state, batch):
-        outputs, _ = forward(state, state.params, batch[0], None, False)
-        loss, metrics = _split_loss(loss_fn(outputs, batch[1]))
-        return {"loss": loss, **metrics}
-    return eval_step
 
 
 def _split_loss(out):
@@ -1043,14 +1050,6 @@ def _train_and_accumulate(step_fn, names, lr_of, skip, state, acc, batch):
     first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
     count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
     return new_state, {"sum": acc["sum"] + values, "count": count.astype(jnp.int32), "lr": lr}
-
-
-def _eval_and_accumulate(eval_step, names, state, acc, batch):
-    """Adds one eval batch's metrics, weighted by its size, to the running sums."""
-    metrics = _as_dict(eval_step(state, batch), "accuracy")
-    values = jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in names])
-    n = jax.tree.leaves(batch)[0].shape[0]
-    return {"sum": acc["sum"] + values * n, "n": acc["n"] + n}
 
 
 def _trace(fn, state, spec, opts):
@@ -1272,8 +1271,13 @@ class _Checkpoints:
     created on disk before the first save: a run with nothing to do leaves nothing behind."""
 
     def __init__(self, opts, plan):
-        workdir = os.path.abspath(opts.workdir or os.getcwd())
-        _check_writable(workdir)
+        workdir = probe = os.path.abspath(opts.workdir or os.getcwd())
+        while not os.path.exists(probe):  # fail before any directory is made
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+            why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
+            raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; "
+                                  f"pass workdir= a directory you can write to.")
         self.run, self.resumed = _pick_run(workdir, opts.log_name, opts.resume)
         self.log_dir = os.path.join(workdir, "logs", self.run)
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
@@ -1298,9 +1302,17 @@ class _Checkpoints:
         return state, {**meta, **saved}
 
     def open(self):
+        """The orbax manager. It keeps exactly the latest checkpoint and the `max_to_keep` best
+        by the monitor: `best_fn` with `max_to_keep` alone would delete the latest step, and
+        saves without metrics would be kept forever; two preservation policies do it right."""
         if self.mgr is None:
             logging.getLogger("absl").addFilter(_quiet_orbax)
-            self.mgr = _manager(self.ckpt_dir, self.monitor, self.mode, self.max_to_keep)
+            policies = ocp.checkpoint_managers
+            policy = policies.AnyPreservationPolicy([policies.LatestN(1), policies.BestN(
+                get_metric_fn=lambda m: m[self.monitor], reverse=self.mode == "min",
+                n=self.max_to_keep, keep_checkpoints_without_metrics=False)])
+            self.mgr = _open(self.ckpt_dir, ocp.CheckpointManagerOptions(
+                preservation_policy=policy, cleanup_tmp_directories=True))
 
     def overdue(self):
         """Whether `ckpt_interval` seconds have passed since the last save. Also raises the
@@ -1358,21 +1370,6 @@ def _quiet_orbax(record):
     return f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
-def _manager(ckpt_dir, monitor, mode, max_to_keep):
-    """Keeps exactly the latest checkpoint and the `max_to_keep` best by `monitor`.
-
-    `best_fn` with `max_to_keep` alone would delete the latest step, and saves without metrics
-    (mid-epoch ones) would be kept forever; two preservation policies do it right."""
-    policies = ocp.checkpoint_managers
-    policy = policies.AnyPreservationPolicy([
-        policies.LatestN(1),
-        policies.BestN(get_metric_fn=lambda m: m[monitor], reverse=mode == "min",
-                       n=max_to_keep, keep_checkpoints_without_metrics=False)])
-    options = ocp.CheckpointManagerOptions(preservation_policy=policy,
-                                           cleanup_tmp_directories=True)
-    return _open(ckpt_dir, options)
-
-
 def _open(ckpt_dir, options):
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
@@ -1384,8 +1381,9 @@ def _restore(mgr, step, state, who):
                           state)
     # Compare first: orbax's own errors do not name the parameter whose shape differs.
     leaves = jax.tree_util.tree_leaves_with_path
-    stored = {_keystr(p): tuple(m.shape) for p, m in leaves(mgr.item_metadata(step)["state"])}
-    wanted = {_keystr(p): tuple(x.shape) for p, x in leaves(target)}
+    keystr = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")
+    stored = {keystr(p): tuple(m.shape) for p, m in leaves(mgr.item_metadata(step)["state"])}
+    wanted = {keystr(p): tuple(x.shape) for p, x in leaves(target)}
     problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
                 + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
                 + [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
@@ -1400,10 +1398,6 @@ def _restore(mgr, step, state, who):
                                                     meta=ocp.args.JsonRestore()))
     restored = jax.tree.map(lambda r, s: jnp.asarray(r, s.dtype), out["state"], state)
     return restored, out["meta"]
-
-
-def _keystr(path):
-    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def _pick_run(workdir, log_name, resume):
@@ -1487,7 +1481,11 @@ def _mesh(opts):
     return mesh
 
 
-def _check_batching(train, test, opts, mesh):
+def _check_data(train, test, opts, mesh):
+    """The data's batching, and that every process feeds the same number of batches of the same
+    shapes (its own share of each global batch). A mismatch would hang in the first collective
+    it reaches, or silently train on different global arrays on each process, so this compares
+    once, before the first step: every process sees the same table and raises the same error."""
     if opts.batch_size is not None and not (train.arrays or (test is not None and test.arrays)):
         raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data (x, y), but "
                          f"train_ds and test_ds yield their own batches; drop batch_size.")
@@ -1502,16 +1500,9 @@ def _check_batching(train, test, opts, mesh):
         raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
                          "needs steps_per_epoch= or max_steps=, so that every process runs the "
                          "same steps.")
-
-
-def _check_processes_agree(*datas):
-    """Every process must feed the same number of batches of the same shapes (its own share of
-    each global batch). A mismatch hangs in the first collective it reaches, or silently trains
-    on different global arrays on each process, so compare once, before the first step: every
-    process sees the same table and raises the same error."""
     if jax.process_count() == 1:
         return
-    mine = "; ".join(d.describe() for d in datas if d is not None).encode()
+    mine = "; ".join(d.describe() for d in (train, test) if d is not None).encode()
     # A digest to compare, then the text to show (cut to a fixed length, as a gather needs).
     row = np.frombuffer(hashlib.sha256(mine).digest() + mine[:2048].ljust(2048, b"\0"), np.uint8)
     rows = np.asarray(multihost_utils.process_allgather(row))
@@ -1592,21 +1583,6 @@ _RULES = {  # option: (the error, is a value valid?, what it must be); None pass
 }
 
 
-def _check_positive_int(name, value, where):
-    if not _positive_int(value):
-        raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}.")
-
-def _check_writable(workdir):
-    """Fails before any directory is made, on the nearest existing ancestor of `workdir`."""
-    probe = workdir
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-        why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
-        raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; pass "
-                              f"workdir= a directory you can write to.")
-
-
 def _state_shardings(state, state_sharding, mesh):
     """Where each leaf of the state lives: replicated by default, else `state_sharding` (a tree
     like the state, or a function of it, of PartitionSpecs or shardings; e.g. from
@@ -1646,13 +1622,10 @@ def _place_state(state, seed, sharding):
     # peak memory on a small CNN). Onto several devices it still reuses the caller's buffer as
     # one shard of a replicated array (jax 0.10), which donation would delete: copy those again.
     placed = jax.device_put(state, sharding, may_alias=False)
-    return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if _aliases(p, x) else p,
-                        placed, state)
-
-
-def _aliases(a, b):
     buffers = lambda x: {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
-    return isinstance(b, jax.Array) and bool(buffers(a) & buffers(b))
+    aliases = lambda p, x: isinstance(x, jax.Array) and bool(buffers(p) & buffers(x))
+    return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p,
+                        placed, state)
 
 
 def _is_nnx(x):
@@ -1664,21 +1637,6 @@ def _is_nnx(x):
 
 def _is_key(x):
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _agree(*flags):
-    """Process 0's flags on every process: a collective that all reach at the same step."""
-    return [bool(v) for v in multihost_utils.broadcast_one_to_all(np.array(flags, np.int32))]
-
-
-def _write_through(writer):
-    # tensorboardX 2.6 queues events for a thread that writes them, and its flush() skips that
-    # queue: an event can miss the flush before a checkpoint, and a killed run would then lose
-    # logs that its resume skips. Write events directly instead. The one use of a library's
-    # internals in this file; check it when tensorboardX moves past 2.6.
-    events = writer.file_writer.event_writer
-    events.add_event = events._ev_writer.write_event
-    return writer
 
 
 def _verbosity(verbose):
@@ -1700,10 +1658,3 @@ def _jsonable(tree):
 
 
 _PLAIN = (type(None), bool, int, float, str, np.generic)  # hparams TensorBoard can show
-
-
-def _hparam_value(value):
-    """TensorBoard takes numbers, strings and booleans; numpy scalars become numbers, the rest
-    (None, lists) their text."""
-    value = value.item() if isinstance(value, np.generic) else value
-    return value if isinstance(value, (bool, int, float, str)) else str(value)
