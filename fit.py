@@ -23,27 +23,21 @@
 
 What you supply
 - A `TrainState` (below): params, optimizer, `batch_stats` (empty without BatchNorm), `rng`.
-- Data: `(x, y)` numpy arrays with `batch_size=`, or any iterable of `(inputs, targets)` batches
-  (a list, a generator, `tfds.as_numpy(...)`, a torch-style loader). Dict batches need
-  `batch_keys=("image", "label")`, or your own `train_step`/`eval_step`.
+- Data: `(x, y)` arrays with `batch_size=`, or any iterable of `(inputs, targets)` batches (a
+  list, a generator, `tfds.as_numpy(...)`, a loader); dict batches need `batch_keys=`.
 - `loss_fn(outputs, targets)`: the model is called as `apply_fn({"params", "batch_stats"},
-  inputs, train=True, mutable=["batch_stats"], rngs={"dropout": fold_in(rng, step)})` and its
-  output goes to `loss_fn`. Any other model: pass `train_step(state, batch) -> (state, metrics)`.
-- `eval_step(state, batch)`: per-batch means; fit weights them by batch size, so the logged
-  metric is exactly the metric over the whole eval set.
-- Or an nnx model with its `nnx.Optimizer`: `model, history = fit(model, train_ds, test_ds,
-  optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param), loss_fn=loss_fn, eval_step=eval_step)`.
-  `loss_fn` gets `model(inputs)` in train mode, `eval_step(model, batch)` the model in eval mode
-  (Dropout off, BatchNorm on its running statistics); dropout draws from the model's own
-  `nnx.Rngs`. The model and the optimizer are updated in place.
-- Hooks: functions `hook(event, run)` called at `train_start`, `log`, `epoch_end`, `eval` and
-  `train_end`; `run.stop = True` stops after the step, `run.save = True` writes a checkpoint.
-  The progress bar and the TensorBoard writer are hooks of this kind.
+  inputs, train=True, mutable=["batch_stats"], rngs={"dropout": fold_in(rng, step)})`. Any
+  other model: pass `train_step(state, batch) -> (state, metrics)`.
+- `eval_step(state, batch)`: per-batch means, which fit weights by batch size: the logged metric
+  is exactly the metric over the whole eval set.
+- Or an nnx model: `fit(model, ..., optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param))`;
+  `loss_fn` gets `model(inputs)` in train mode, `eval_step(model, batch)` the model in eval
+  mode; the model and the optimizer are updated in place.
+- Hooks `hook(event, run)`, called at `train_start`, `log`, `epoch_end`, `eval`, `train_end`:
+  `run.stop = True` stops, `run.save = True` saves. The progress bar and TensorBoard are hooks.
 
-How to read this file: `fit` is the whole story, top to bottom. The parts it uses follow in the
-order it uses them: `_Data` (batches), `_Plan` (when things are due), `_build_steps` (every
-jitted function), `_Meter` (metrics read one step late), `_Checkpoints`, `_Signals`, and the
-built-in hooks. See README.md for every option.
+How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in that
+order. See README.md for every option.
 """
 import collections
 import contextlib
@@ -59,7 +53,6 @@ import os
 import re
 import signal
 import sys
-import threading
 import time
 import warnings
 from typing import Any
@@ -82,11 +75,10 @@ __all__ = ["TrainState", "lr_schedule", "Options", "fit", "load_ckpt", "History"
 
 
 class TrainState(train_state.TrainState):
-    """Flax's TrainState plus `batch_stats` (BatchNorm statistics, `{}` without BatchNorm) and
-    `rng`, the base key of the run: step n draws its dropout key as `fold_in(rng, n)`, so no key
-    is reused and randomness survives a resume. Left `None`, fit fills it from `seed` (and
-    returns it as raw `uint32` key data, which orbax can save). `tx=None` makes a state without
-    an optimizer, for evaluation."""
+    """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the run's base
+    key: step n draws its dropout key as `fold_in(rng, n)`, so randomness survives a resume.
+    Left `None`, fit fills it from `seed` (as raw `uint32` key data, which orbax can save).
+    `tx=None` makes a state without an optimizer, for evaluation."""
     batch_stats: Any = flax.struct.field(default_factory=dict)
     rng: Any = None
 
@@ -105,14 +97,12 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
         if not _positive_int(value):
             raise ValueError(f"lr_schedule: {name} must be a positive integer, got {value!r}.")
     if not (isinstance(warmup_epochs, (int, float)) and 0 <= warmup_epochs < epochs):
-        raise ValueError(f"lr_schedule: warmup_epochs must be >= 0 and shorter than epochs, got "
-                         f"warmup_epochs={warmup_epochs!r} and epochs={epochs!r}; lower "
-                         f"warmup_epochs or raise epochs.")
+        raise ValueError(f"lr_schedule: warmup_epochs must be >= 0 and below epochs, got "
+                         f"warmup_epochs={warmup_epochs!r} and epochs={epochs!r}; lower one.")
     total = epochs * steps_per_epoch
     warmup = int(round(warmup_epochs * steps_per_epoch))
-    # The cosine spans the steps after warmup up to the last step, so it reaches end_value at
-    # step total-1 (a common bug is to decay over `total` and stop one step short, or to decay
-    # over the whole run and finish warmup on a schedule that has already started decaying).
+    # The cosine spans the steps after warmup up to the last, total-1 (common bugs: decaying over
+    # `total`, a step short, or over the whole run, so warmup ends on a decayed schedule).
     decay_steps = max(total - 1 - warmup, 1)
     alpha = end_value / base_lr if base_lr else 0.0
     cosine = optax.cosine_decay_schedule(base_lr, decay_steps, alpha=alpha)
@@ -162,11 +152,10 @@ class Options:
     @classmethod
     def of(cls, kwargs):
         names = [f.name for f in dataclasses.fields(cls)]
-        for key in kwargs:
-            if key not in names:
-                near = difflib.get_close_matches(key, names, n=1)
-                hint = f"did you mean {near[0]}?" if near else f"the options are {names}"
-                raise TypeError(f"fit: unknown option {key}=; {hint}")
+        for key in (key for key in kwargs if key not in names):
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f"did you mean {near[0]}?" if near else f"the options are {names}"
+            raise TypeError(f"fit: unknown option {key}=; {hint}")
         return cls(**kwargs)
 
     def __post_init__(self):
@@ -185,8 +174,9 @@ class Options:
         """What TensorBoard's HParams tab shows: every option that is a plain value (not where
         the run is written or how it talks), what the run derived, and the user's `hparams`."""
         skip = ("workdir", "log_name", "resume", "verbose", "tensorboard", "hparams")
+        plain = (type(None), bool, int, float, str, np.generic)  # what TensorBoard can show
         used = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in skip and isinstance(getattr(self, f.name), _PLAIN)}
+                if f.name not in skip and isinstance(getattr(self, f.name), plain)}
         return {**used, **derived, **(self.hparams or {})}
 
 
@@ -227,9 +217,8 @@ def fit(state, train_ds, test_ds=None, **options):
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
         return finish(run.end(state, step, epoch)), run.history
-    _say(verbose, f"fit: {'resuming' if step else 'starting'} run {ckpts.run!r} at step {step} "
-                  f"on {mesh.size} device(s); TensorBoard: tensorboard --logdir "
-                  f"{os.path.dirname(ckpts.log_dir)}")
+    _say(verbose, f"fit: {'resuming' if step else 'starting'} run {ckpts.run!r} at step {step} on "
+                  f"{mesh.size} device(s); tensorboard --logdir {os.path.dirname(ckpts.log_dir)}")
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one step late, when the device has finished them.
@@ -259,8 +248,7 @@ def fit(state, train_ds, test_ds=None, **options):
                         save(state, step, epoch, position)
                 if not k:
                     raise ValueError(f"fit: train_ds yielded no batches in epoch {epoch + 1}; "
-                                     f"pass a re-iterable (a list, a loader) or set "
-                                     f"steps_per_epoch=.")
+                                     f"pass a re-iterable (a list, a loader) or steps_per_epoch=.")
                 if last:  # the epoch ran to its end
                     _end_epoch(run, meter, plan, evaluate, ckpts.overdue, state, step, epoch)
                     epoch, position = epoch + 1, (0, None)
@@ -283,11 +271,9 @@ def fit(state, train_ds, test_ds=None, **options):
 
 
 def load_ckpt(state, ckpt_dir, step=None, optimizer=None):
-    """Restores a state saved by `fit` from a run's checkpoint directory
-    (`<workdir>/checkpoints/<run>`, also `history.ckpt_dir`). `step` is a step number,
-    `"last"`/`None` (the latest) or `"best"`. `state` gives the structure, shapes and
-    shardings; its values are not used. An nnx model (with its `optimizer=`) is restored in
-    place, and returned."""
+    """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`).
+    `step`: a step number, `"last"`/`None` or `"best"`. `state` gives the structure, shapes and
+    shardings, not values. An nnx model (with its `optimizer=`) is restored in place."""
     if _is_nnx(state):
         adapted, _, _, finish = _nnx_adapter(state, optimizer, None, who="load_ckpt")
         return finish(load_ckpt(adapted, ckpt_dir, step))
@@ -320,19 +306,16 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None):
 
 
 class History(dict):
-    """`fit`'s history: a dict of lists (`epoch`, `step`, `train/<metric>` per epoch;
-    `eval/epoch`, `eval/step`, `eval/<metric>` per eval; `stopped`: why a run stopped early),
-    plus attributes: the run's directories `run`, `log_dir`, `ckpt_dir`, and `timing` (seconds
-    spent compiling, evaluating and blocked in saves, and the steady train rate without them)."""
+    """`fit`'s history: lists of `epoch`, `step`, `train/<metric>` per epoch, `eval/...` per eval
+    and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`
+    (seconds spent compiling, evaluating and saving, and the steady rate without them)."""
     run = log_dir = ckpt_dir = timing = None
 
 
 class EarlyStopping:
-    """A hook that stops training when `monitor` has not improved by more than `min_delta` for
-    `patience` evaluations, and (with `restore_best`) returns the state of the best checkpoint.
-    It watches fit's own `monitor` (the metric that picks the best checkpoint), so the state
-    it restores is the one it judged best. Its count is checkpointed (`get_state`/`set_state`),
-    so a resumed or extended run goes on counting."""
+    """A hook that stops when fit's `monitor` (the metric that picks the best checkpoint) has not
+    improved by more than `min_delta` for `patience` evaluations, and (`restore_best`) returns
+    the best checkpoint's state. Its count is checkpointed (`get_state`/`set_state`)."""
 
     def __init__(self, patience=3, min_delta=0.0, restore_best=True, monitor=None):
         if not _positive_int(patience):
@@ -367,10 +350,9 @@ class EarlyStopping:
 
 
 class Profiler:
-    """A hook that traces steps `start_step` to `start_step + num_steps` with `jax.profiler`
-    into the run's TensorBoard directory (TensorBoard's Profile tab; `pip install
-    tensorboard-plugin-profile`). Hooks run at log points, so the window is rounded out to them:
-    pick `log_every` to suit."""
+    """A hook that traces steps `start_step` to `start_step + num_steps` with `jax.profiler` into
+    the run's TensorBoard directory (the Profile tab: `pip install tensorboard-plugin-profile`).
+    Hooks run at log points, so the window is rounded out to them."""
 
     def __init__(self, start_step=10, num_steps=20):
         self.start_step, self.stop_step, self.running = start_step, start_step + num_steps, False
@@ -452,10 +434,9 @@ class TensorBoard:
             # steps after its checkpoint again (0 for a fresh run also clears a crashed try's).
             purge = run.step + 1 if run.step else 0
             run.writer = self.writer = SummaryWriter(run.log_dir, purge_step=purge)
-            # tensorboardX 2.6 queues events for a thread that writes them, and its flush() skips
-            # that queue: an event can miss the flush before a checkpoint, and a killed run would
-            # then lose logs that its resume skips. Write events directly instead. The one use of
-            # a library's internals in this file; check it when tensorboardX moves past 2.6.
+            # tensorboardX 2.6's flush() skips the queue of its writer thread, so a killed run
+            # could lose logs that its resume skips: write events directly. The one use of a
+            # library's internals in this file; check it when tensorboardX moves past 2.6.
             events = self.writer.file_writer.event_writer
             events.add_event = events._ev_writer.write_event
             if run.step == 0:  # once per run, at its start, so a crashed run shows them too
@@ -484,9 +465,8 @@ class TensorBoard:
 class _Run:
     """What a hook sees: `event`, `step`, `epoch`, `state` (valid during the call only: the next
     step donates it), `metrics`, `history`, `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`,
-    `writer` (set by the TensorBoard hook), `total_steps`, `num_epochs`, `stopped_early`,
-    `interrupted`; and what it may set: `stop`, `save`, and at train_end `state`. One object for
-    the run; it also keeps the history and the best."""
+    `writer`, `total_steps`, `num_epochs`, `stopped_early`, `interrupted`; what it may set:
+    `stop`, `save`, and at train_end `state`. It also keeps the history and the best."""
 
     def __init__(self, hooks, plan, ckpts, meta):
         self.hooks, self.monitor, self.mode = hooks, plan.monitor, plan.mode
@@ -547,9 +527,8 @@ class _Run:
             self.save = True
 
     def rank(self, step):
-        """The monitored value to rank a checkpoint of `step` by (an eval's only if it judged
-        this very state; else the latest train mean), recorded among the kept best. None: the
-        checkpoint is kept as the last, never as a best."""
+        """The monitored value to rank a checkpoint of `step` by (an eval's only if it judged this
+        very state), recorded among the kept best; None: it is kept as the last, not a best."""
         value, at = self.latest.get(self.monitor, (None, None))
         if value is None or (self.monitor.startswith("eval/") and at != step):
             return None
@@ -559,8 +538,7 @@ class _Run:
     def end(self, state, step, epoch):
         """The train_end hooks; EarlyStopping may swap in the best state here. A run that was
         already finished calls only these, so it returns what its first call returned."""
-        self.stopped_early = bool(self.stopping)
-        self.interrupted = self.stopping in _SIGNALS
+        self.stopped_early, self.interrupted = bool(self.stopping), self.stopping in _SIGNALS
         return self.call("train_end", state, step, epoch)
 
     def close(self):
@@ -568,9 +546,8 @@ class _Run:
         user's hooks: the run did not end)."""
         if self.event != "train_end":
             self.interrupted = True
-            for hook in self.hooks:
-                if isinstance(hook, (TensorBoard, ProgressBar)):
-                    hook("train_end", self)
+            for hook in [h for h in self.hooks if isinstance(h, (TensorBoard, ProgressBar))]:
+                hook("train_end", self)
 
 
 def _end_epoch(run, meter, plan, evaluate, overdue, state, step, epoch, complete=True):
@@ -589,9 +566,8 @@ def _end_epoch(run, meter, plan, evaluate, overdue, state, step, epoch, complete
 
 
 def _save(ckpts, meter, run, opts, state, step, epoch, position):
-    """Writes a checkpoint of this step, asynchronously, with everything the rest of the run
-    depends on. Reading the metrics first is also the non-finite check: a NaN state is never
-    written (the read raises)."""
+    """Writes a checkpoint of this step, asynchronously, with all the rest of the run depends on.
+    Reading the metrics first is the non-finite check: a NaN state is never written."""
     if step == ckpts.saved:
         return
     run.log(state, step, epoch, meter.read(step, log_due=False, sync=True))
@@ -628,12 +604,10 @@ _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on fr
 
 
 class _Data:
-    """Turns a data argument into per-epoch iterators of `(batch, position)` on the host, where
-    `position` is where the data stands after that batch: `(batches done this epoch, iterator
-    state)`, which a checkpoint saves. Arrays `(x, y)` are batched here and shuffled from
-    `(seed, epoch)`. A re-iterable (list, loader) is iterated once per epoch. A one-shot iterator
-    (generator) is read as one stream: with `steps_per_epoch` each epoch takes that many batches
-    from it, else it is one epoch."""
+    """A data argument as per-epoch iterators of `(batch, position)` on the host; `position`
+    (batches done this epoch, iterator state) is where a checkpoint of that batch resumes. Arrays
+    `(x, y)` are batched and shuffled from `(seed, epoch)`; a re-iterable (list, loader) is read
+    once per epoch; a one-shot iterator is one stream, `steps_per_epoch` batches an epoch."""
 
     def __init__(self, ds, name, opts, train):
         self.name, self.shuffle, self.seed = name, train, opts.seed
@@ -695,10 +669,9 @@ class _Data:
         """A host batch as numpy arrays, with a clear error for anything else."""
         if isinstance(batch, dict) and (self.keys or not self.custom):
             if not self.keys or not set(self.keys) <= set(batch):
-                raise TypeError(f"fit: {self.name} yields dict batches with keys {sorted(batch)}"
-                                f"; name the inputs and targets among them with batch_keys="
-                                f"(inputs_key, targets_key) (got {self.keys}), or pass your own "
-                                f"train_step/eval_step.")
+                raise TypeError(f"fit: {self.name} yields dicts with keys {sorted(batch)}; name "
+                                f"the inputs and targets with batch_keys=(inputs_key, targets_"
+                                f"key) (got {self.keys}), or pass your own train/eval_step.")
             batch = (batch[self.keys[0]], batch[self.keys[1]])
         if not self.custom and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             length = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
@@ -772,21 +745,18 @@ def _position(iterator):
 
 
 def _grouped(batches, k, step, max_steps=None):
-    """Stacks runs of `k` equally shaped batches for `steps_per_jit`. Groups start at multiples
-    of k in absolute steps, so a resumed run groups (and so rounds) exactly like the original;
-    batches before the first such step, a smaller last batch and an epoch's remainder run as
-    single steps. Yields `(batch, position after it, steps)`."""
+    """Stacks runs of `k` equally shaped batches for `steps_per_jit`, starting at multiples of k
+    in absolute steps, so a resumed run groups (and rounds) like the original; other batches run
+    as single steps. Yields `(batch, position after it, steps)`."""
     group = []
     for batch, position in batches:
+        if group and not _same_shapes(batch, group[0][0]):  # another shape ends the group:
+            yield from ((b, p, 1) for b, p in group)  # its batches run as single steps
+            step, group = step + len(group), []
         starts = step % k == 0 and not (max_steps and step + k > max_steps)
         if k == 1 or not (group or starts):
             yield batch, position, 1
             step += 1
-            continue
-        if group and not _same_shapes(batch, group[0][0]):
-            # a batch of another shape ends the group early: run it all as single steps
-            yield from ((b, p, 1) for b, p in group + [(batch, position)])
-            step, group = step + len(group) + 1, []
             continue
         group.append((batch, position))
         if len(group) == k:
@@ -796,18 +766,16 @@ def _grouped(batches, k, step, max_steps=None):
 
 
 def _same_shapes(a, b, but_batch=False):
-    """Whether two batches have the same structure and shapes (`but_batch`: and dtypes, the
-    leading dimension aside)."""
-    same = lambda x, y: x.shape[but_batch:] == y.shape[but_batch:] and (
-        not but_batch or x.dtype == y.dtype)
+    """Whether two batches have the same structure, dtypes and shapes (`but_batch`: the leading
+    dimension aside)."""
+    same = lambda x, y: x.shape[but_batch:] == y.shape[but_batch:] and x.dtype == y.dtype
     return jax.tree.structure(a) == jax.tree.structure(b) and all(
         map(same, jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def _prefetch(batches, put, size=2):
     """Places the next `size` batches on device while the current step runs (transfers are
-    asynchronous, so this overlaps them with compute). Yields `(batch, position, k, last)`:
-    the look-ahead also tells which batch is the epoch's last."""
+    asynchronous). Yields `(batch, position, k, last)`: the look-ahead tells the epoch's last."""
     queue = collections.deque()
     for batch, position, k in batches:
         queue.append((put(batch, k > 1), position, k))
@@ -819,8 +787,7 @@ def _prefetch(batches, put, size=2):
 
 def _put(mesh, data_axis, batch, stacked=False):
     """Shards a host batch along its leading axis over the mesh. A batch that does not split
-    evenly (a small last batch) is placed whole on every device instead: each device computes the
-    same full batch, so results stay exact at the cost of redundant work on that one batch."""
+    evenly (a small last batch) goes whole to every device: exact, at the cost of redundant work."""
     if mesh.size == 1 and jax.process_count() == 1 and mesh.devices.flat[0].platform == "cpu":
         return batch  # one CPU device: jit's own C++ path takes numpy faster than device_put
     n = jax.tree.leaves(batch)[0].shape[int(stacked)]
@@ -911,11 +878,10 @@ _Steps = collections.namedtuple("_Steps", "train eval acc0 eval0 acc_names train
 
 
 def _build_steps(state, train, test, opts, mesh, forward, eval_step):
-    """Every jax.jit of the run, built once, before the loop: the train step (alone, and as a
-    scan over `steps_per_jit` stacked batches) and the eval step, each summing its metrics on
-    device. The user's step is traced once with jax.eval_shape, to learn its metric names and
-    check them before any compile; it is jitted on its own so that the first real call reuses
-    that trace (tracing a model again cost 0.1-0.2 s a run)."""
+    """Every jax.jit of the run, built once: the train step (alone, and as a scan over
+    `steps_per_jit` stacked batches) and the eval step, each summing its metrics on device. The
+    user's step is traced once (jax.eval_shape) for its metric names, before any compile, and
+    jitted on its own so that the real call reuses that trace (a model's trace costs 0.1-0.2 s)."""
     replicated = NamedSharding(mesh, P())
     who = "train_step" if opts.train_step else "loss_fn"
     step_fn = opts.train_step or _default_train_step(forward, opts.loss_fn, opts.axis_name)
@@ -927,7 +893,14 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
     # param_norm (the norm of the new parameters) doubles as the non-finite check of the state:
     # it is NaN/Inf whenever any parameter is (an isfinite per array compiled ~25% slower).
     names += ["param_norm"] if "param_norm" not in names else ["parameters"]
-    lr_of = _lr_getter(state, opts.lr_fn)
+    # The learning rate a step used, read from the state after it: lr_fn of the step's number,
+    # or what optax's inject_hyperparams stored in the optimizer state.
+    is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
+    lr_of = lambda s: optax.tree.get(s.opt_state, "learning_rate", filtering=is_array)
+    if opts.lr_fn is not None:
+        lr_of = lambda s: opts.lr_fn(s.step - 1)
+    elif lr_of(state) is None:
+        lr_of = None
     one = functools.partial(_train_and_accumulate, step_fn, tuple(names), lr_of,
                             opts.on_nonfinite == "skip")
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
@@ -954,12 +927,12 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
         who = "eval_step" if eval_step else "loss_fn"
         eval_names = _metric_names(_trace(inner, state, test.spec, opts), who, "accuracy")
 
-        def accumulate(state, acc, batch):  # the sums of the metrics weighted by batch size, n
+        def _eval_and_accumulate(state, acc, batch):  # metric sums weighted by batch size; n
             n = jax.tree.leaves(batch)[0].shape[0]
             metrics = _as_dict(inner(state, batch), "accuracy")
             return acc + n * jnp.stack([*(metrics[k] for k in eval_names), 1.0]).astype(jnp.float32)
 
-        eval_fn = jax.jit(accumulate, out_shardings=replicated)
+        eval_fn = jax.jit(_eval_and_accumulate, out_shardings=replicated)
         eval0 = jax.device_put(np.zeros(len(eval_names) + 1, np.float32), replicated)
     run_train = lambda state, acc, batch, k: (train_1 if k == 1 else train_k)(state, acc, batch)
     return _Steps(run_train, eval_fn, acc0, eval0, names,
@@ -1029,10 +1002,9 @@ def _as_dict(metrics, default):
 
 
 def _train_and_accumulate(step_fn, names, lr_of, skip, state, acc, batch):
-    """One train step plus the on-device bookkeeping: metric sums since the last log point, a
-    count of steps whose loss or parameters are not finite, and the learning rate. The metrics
-    travel as one vector: on XLA's CPU backend every extra small op and output costs
-    microseconds a step, which a tiny model feels."""
+    """One train step plus the on-device bookkeeping: metric sums since the last log point, the
+    non-finite steps, the learning rate. The metrics travel as one vector: on XLA's CPU backend
+    every small op and output costs microseconds a step, which a tiny model feels."""
     new_state, metrics = step_fn(state, batch)
     metrics = _as_dict(metrics, "loss")
     norm = optax.tree.norm(new_state.params)
@@ -1058,47 +1030,33 @@ def _trace(fn, state, spec, opts):
     try:
         return jax.eval_shape(fn, state, spec)
     except NameError as e:
-        name = re.search(r"unbound axis name: ([\w-]+)", str(e))
-        if not name:
+        axis = (re.findall(r"unbound axis name: ([\w-]+)", str(e)) or [None])[0]
+        if not axis:
             raise
-        raise ValueError(f"fit: the model uses the named axis {name.group(1)!r} (e.g. "
-                         f"BatchNorm(axis_name={name.group(1)!r}), written for pmap), which "
-                         f"plain jit does not bind; pass axis_name={name.group(1)!r} to fit to "
-                         f"run the step per device over that axis.") from None
+        raise ValueError(f"fit: the model uses the named axis {axis!r} (e.g. BatchNorm(axis_name="
+                         f"{axis!r}), written for pmap), which plain jit does not bind; pass "
+                         f"axis_name={axis!r} to fit to run the step per device over it.") from None
     except TypeError as e:
         if opts.train_step or "'train'" not in str(e):
             raise
-        raise TypeError(f"fit: the model does not take train=: fit's default step calls "
-                        f"apply_fn(variables, inputs, train=True, ...) ({e}). Pass your own "
-                        f"train_step(state, batch) -> (state, metrics) and eval_step(state, "
-                        f"batch) that call the model your way; see README.md.") from None
-
-
-def _lr_getter(state, lr_fn):
-    """How to read, from the state after a step, the learning rate that step used: optax's
-    `inject_hyperparams` stores it in the optimizer state; `lr_fn` gets the step's number."""
-    if lr_fn is not None:
-        return lambda s: lr_fn(s.step - 1)
-    is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
-    get = lambda s: optax.tree.get(s.opt_state, "learning_rate", filtering=is_array)
-    return get if get(state) is not None else None
+        raise TypeError(f"fit: the model does not take train=, which fit's default step passes "
+                        f"({e}). Pass your own train_step(state, batch) -> (state, metrics) and "
+                        f"eval_step(state, batch) that call it your way; see README.md.") from None
 
 
 def _nnx_adapter(model, optimizer, eval_step, who="fit"):
     """An nnx model and its optimizer as a TrainState: `params` is what the optimizer trains
-    (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the Rngs' keys and counts:
-    checkpointed, so dropout resumes exactly). Each step merges them into a module inside plain
-    `jax.jit` (nnx.jit costs ~0.3 ms more a call); only `finish(state)` writes the user's model
-    and optimizer, in place. Returns `(state, forward, eval_step, finish)`."""
+    (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the Rngs' state, so dropout
+    resumes exactly). Each step merges them into a module in plain `jax.jit` (nnx.jit costs ~0.3
+    ms more a call); `finish(state)` writes the user's model and optimizer, in place."""
     from flax import nnx
     missing = [a for a in ("tx", "opt_state", "step", "wrt") if not hasattr(optimizer, a)]
     if missing:  # (not the object's repr: an optimizer's repr prints the whole model)
         got = "None" if optimizer is None else f"{type(optimizer).__name__} (no {missing})"
         raise TypeError(f"{who}: an nnx model needs optimizer=nnx.Optimizer(model, tx, "
                         f"wrt=nnx.Param), got optimizer={got}.")
-    # Plain dicts, not nnx.State: jit flattens the state on every call, and State is a pytree
-    # registered in Python (twice as slow to flatten as dicts). Typed PRNG keys travel as raw
-    # uint32 data, like fit's own rng: orbax writes a key as its data, which restores as no key.
+    # Plain dicts, not nnx.State: jit flattens the state every call, State twice as slowly. Typed
+    # PRNG keys travel as raw uint32 data, as fit's rng does: orbax restores a key as no key.
     is_state = lambda x: isinstance(x, nnx.State)
     pure = lambda tree: jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x,
                                      nnx.as_pure(tree), is_leaf=is_state)
@@ -1147,10 +1105,9 @@ def _nnx_adapter(model, optimizer, eval_step, who="fit"):
 
 
 class _Meter:
-    """The host side of train metrics and of time. Metrics are summed on device; at a log point
-    `read` keeps a reference and reads it one step later, when the device has finished it, so
-    the host never waits. `sums` (the interval's and the epoch's, on the host) is checkpointed,
-    so a resumed run logs what an uninterrupted one would. Reading raises on NaN/Inf."""
+    """The host side of train metrics and of time. At a log point `read` keeps the device's sums
+    and reads them one step later, when the device has finished them, so the host never waits.
+    `sums` is checkpointed, so a resumed run logs what an uninterrupted one would."""
 
     def __init__(self, steps, opts, sums, step):
         self.names, self.acc0, self.acc = steps.acc_names, steps.acc0, steps.acc0
@@ -1182,9 +1139,8 @@ class _Meter:
         return state
 
     def read(self, step, log_due, sync=False):
-        """Returns `[(step, metrics)]` of the log points that are ready. Without `sync`, the
-        interval stashed at the last log point (finished by now), and this one is stashed if a
-        log is due. With `sync` (a save, an epoch end), everything up to `step` is read now."""
+        """`[(step, metrics)]` of the log points that are ready: the one stashed at the last
+        log point, then this one is stashed if due; with `sync`, everything up to `step`."""
         ready, self.pending = ([self.pending] if self.pending else []), None
         if sync or log_due:
             ready.append((self.acc, step, log_due))
@@ -1202,10 +1158,10 @@ class _Meter:
         if n_bad and not self.skipping:
             bad = [k for k, v in zip(self.names, acc["sum"]) if not np.isfinite(v)]  # (NaN sums)
             what = ", ".join(sorted(bad, key=lambda k: k != "loss"))
-            raise FloatingPointError(
-                f"fit: non-finite values (NaN or Inf) in {what} at step {first_bad + 1} (checked "
-                f"by step {step}); no checkpoint was written after it. Lower the learning rate, "
-                f"check the data, or pass on_nonfinite='skip' to drop such updates.")
+            raise FloatingPointError(f"fit: non-finite values (NaN or Inf) in {what} at step "
+                                     f"{first_bad + 1} (checked by step {step}); no checkpoint "
+                                     f"was written after it. Lower the learning rate, check the "
+                                     f"data, or pass on_nonfinite='skip' to drop such updates.")
         values = {k: float(v) for k, v in zip(self.names, acc["sum"]) if k != "parameters"}
         for part in (self.sums["log"], self.sums["epoch"]):
             part[0] += n
@@ -1266,9 +1222,8 @@ class _Meter:
 
 
 class _Checkpoints:
-    """The run's name and directories, its orbax manager, restore (with a diff of what does not
-    fit), saves and their wall-time schedule, and the errors of asynchronous saves. Nothing is
-    created on disk before the first save: a run with nothing to do leaves nothing behind."""
+    """The run's name and directories, its orbax manager, restore, saves and their wall-time
+    schedule, and the errors of asynchronous saves. Nothing is made on disk before a save."""
 
     def __init__(self, opts, plan):
         workdir = probe = os.path.abspath(opts.workdir or os.getcwd())
@@ -1302,9 +1257,8 @@ class _Checkpoints:
         return state, {**meta, **saved}
 
     def open(self):
-        """The orbax manager. It keeps exactly the latest checkpoint and the `max_to_keep` best
-        by the monitor: `best_fn` with `max_to_keep` alone would delete the latest step, and
-        saves without metrics would be kept forever; two preservation policies do it right."""
+        """The orbax manager. It keeps the latest checkpoint and the `max_to_keep` best: `best_fn`
+        with `max_to_keep` would delete the latest, and keep saves without metrics forever."""
         if self.mgr is None:
             logging.getLogger("absl").addFilter(_quiet_orbax)
             policies = ocp.checkpoint_managers
@@ -1356,8 +1310,7 @@ class _Checkpoints:
 
     def close(self):
         try:
-            if self.mgr is not None:
-                self.wait()  # raises errors of asynchronous saves, never loses them
+            self.wait()  # raises errors of asynchronous saves, never loses them
         finally:
             if self.mgr is not None:
                 self.mgr.close()
@@ -1380,10 +1333,9 @@ def _restore(mgr, step, state, who):
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           state)
     # Compare first: orbax's own errors do not name the parameter whose shape differs.
-    leaves = jax.tree_util.tree_leaves_with_path
-    keystr = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")
-    stored = {keystr(p): tuple(m.shape) for p, m in leaves(mgr.item_metadata(step)["state"])}
-    wanted = {keystr(p): tuple(x.shape) for p, x in leaves(target)}
+    shapes = lambda tree: {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(x.shape)
+                           for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+    stored, wanted = shapes(mgr.item_metadata(step)["state"]), shapes(target)
     problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
                 + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
                 + [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
@@ -1401,9 +1353,8 @@ def _restore(mgr, step, state, who):
 
 
 def _pick_run(workdir, log_name, resume):
-    """Run names are `<log_name>_<n>`. A fresh run takes the next free n, so it never touches an
-    earlier run's files; `resume=True` takes the highest existing n, if any. Returns the name
-    and whether it has a checkpoint to go on from. Makes no directory."""
+    """Run names are `<log_name>_<n>`: a fresh run takes the next free n, `resume=True` the
+    highest. Returns the name and whether it has a checkpoint to go on from."""
     def listed(*path):
         path = os.path.join(workdir, *path)
         return os.listdir(path) if os.path.isdir(path) else []
@@ -1421,17 +1372,16 @@ def _pick_run(workdir, log_name, resume):
 
 
 class _Signals:
-    """Why the run must stop, if it must: the first SIGINT/SIGTERM, turned into a stop after the
-    current step (a second SIGINT interrupts at once). Installs no handler off the main thread,
-    nor for SIGTERM after `jax.distributed.initialize`, where JAX's preemption notifier owns it
-    and orbax's `reached_preemption` tells all processes."""
+    """Why the run must stop: the first SIGINT/SIGTERM stops it after the step (a second SIGINT
+    at once). No handler off the main thread, nor for SIGTERM with several processes: JAX's
+    preemption notifier owns it, and orbax's `reached_preemption` tells all processes."""
 
     def __init__(self):
         self.reason, self.previous, self.forwarded = None, {}, False
 
     def __enter__(self):
         sigs = [signal.SIGINT] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
-        if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError):  # (off the main thread, Python installs none)
             self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
         return self
 
@@ -1468,38 +1418,33 @@ def _check_state(state, opts):
     elif getattr(state, "tx", None) is None or not hasattr(state, "apply_gradients"):
         raise ValueError(f"fit: state must be a TrainState with an optimizer (tx), got "
                          f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build "
-                         f"it with TrainState.create(apply_fn=..., params=..., "
-                         f"tx=optax.adam(...)), or pass an nnx model with "
-                         f"optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param).")
+                         f"it with TrainState.create(apply_fn=..., params=..., tx=optax.adam"
+                         f"(...)), or pass an nnx model with optimizer=nnx.Optimizer(...).")
 
 
 def _mesh(opts):
     mesh = opts.mesh or Mesh(np.array(jax.devices()), ("data",))
-    if opts.axis_name:  # a model written for pmap calls lax.pmean(..., axis_name): name the axis
-        names = tuple(opts.axis_name if a == "data" else a for a in mesh.axis_names)
-        mesh = Mesh(mesh.devices, names)
-    return mesh
+    # A model written for pmap calls lax.pmean(..., axis_name): the data axis takes that name.
+    rename = lambda axis: opts.axis_name if axis == "data" and opts.axis_name else axis
+    return Mesh(mesh.devices, tuple(map(rename, mesh.axis_names)))
 
 
 def _check_data(train, test, opts, mesh):
-    """The data's batching, and that every process feeds the same number of batches of the same
-    shapes (its own share of each global batch). A mismatch would hang in the first collective
-    it reaches, or silently train on different global arrays on each process, so this compares
-    once, before the first step: every process sees the same table and raises the same error."""
+    """The batching, and that every process feeds the same batches' count and shapes (its share
+    of each global batch): a mismatch would hang in a collective or silently train on mismatched
+    arrays. Every process compares the same table, once, and raises the same error."""
     if opts.batch_size is not None and not (train.arrays or (test is not None and test.arrays)):
         raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data (x, y), but "
                          f"train_ds and test_ds yield their own batches; drop batch_size.")
     n, d = train.batch_size, _local_shards(mesh, opts.axis_name or "data")
     if n % d:
         raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
-                         f"devices ({d}) so every device gets an equal share; use a batch size "
-                         f"of {n - n % d or d} or {n + d - n % d}. (Only a smaller last batch "
-                         f"may split unevenly: it is run whole on every device.)")
+                         f"devices ({d}); use {n - n % d or d} or {n + d - n % d}. (Only a smaller "
+                         f"last batch may split unevenly: it runs whole on every device.)")
     if jax.process_count() > 1 and train.length is None and not (
             opts.steps_per_epoch or opts.max_steps):
         raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
-                         "needs steps_per_epoch= or max_steps=, so that every process runs the "
-                         "same steps.")
+                         "needs steps_per_epoch= or max_steps=, so all run the same steps.")
     if jax.process_count() == 1:
         return
     mine = "; ".join(d.describe() for d in (train, test) if d is not None).encode()
@@ -1511,9 +1456,8 @@ def _check_data(train, test, opts, mesh):
     listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
                          for i, r in enumerate(rows))
     raise ValueError(f"fit: the processes' data disagree:\n  {listed}\nEvery process must feed "
-                     f"the same number of batches, of the same shapes (its own share of each "
-                     f"global batch); otherwise the run hangs in a collective or trains on "
-                     f"mismatched arrays.")
+                     f"the same number of batches of the same shapes (its share of each global "
+                     f"batch), or the run hangs in a collective or trains on mismatched arrays.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -1531,8 +1475,15 @@ def _check_schedule(state, opts, total):
     if jax.process_index() != 0 or not total or total < 4:
         return
     steps = np.linspace(0, total - 1, 65).astype(np.int32)
+
+    def scheduled(step):  # the lr at `step` of an inject_hyperparams optimizer's schedule,
+        s = state.tx.init({})  # through public optax calls (an error where there is none)
+        wrapped = optax.tree.get(s, "WrappedScheduleState")
+        s = optax.tree.set(s, WrappedScheduleState=wrapped._replace(count=step))
+        is_array = lambda path, value: isinstance(value, jax.Array)
+        return optax.tree.get(state.tx.update({}, s, {})[1], "learning_rate", filtering=is_array)
     try:
-        lrs = jax.jit(jax.vmap(opts.lr_fn or functools.partial(_scheduled_lr, state.tx)))(steps)
+        lrs = jax.jit(jax.vmap(opts.lr_fn or scheduled))(steps)
     except Exception:  # no schedule that fit can see: nothing to say
         return
     lrs = np.asarray(lrs, np.float64)
@@ -1547,22 +1498,11 @@ def _check_schedule(state, opts, total):
                       f"ceil(len(x) / batch_size) steps per epoch)?", stacklevel=3)
 
 
-def _scheduled_lr(tx, step):
-    """The learning rate at `step` of an `optax.inject_hyperparams` optimizer's schedule, found
-    through public optax calls (an error where there is none)."""
-    s = tx.init({})
-    wrapped = optax.tree.get(s, "WrappedScheduleState")
-    s = optax.tree.set(s, WrappedScheduleState=wrapped._replace(count=step))
-    is_array = lambda path, value: isinstance(value, jax.Array)
-    return optax.tree.get(tx.update({}, s, {})[1], "learning_rate", filtering=is_array)
-
-
 def _positive_int(value):
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0
 
 
-_RULES = {  # option: (the error, is a value valid?, what it must be); None passes where it is
-    # the default
+_RULES = {  # option: (error, is a value valid?, what it must be); None passes if it is the default
     **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit",
                      "ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "eval_steps",
                      "batch_size"), (ValueError, _positive_int, "a positive integer")),
@@ -1601,12 +1541,9 @@ def _state_shardings(state, state_sharding, mesh):
 
 
 def _place_state(state, seed, sharding):
-    """A private, placed copy of the caller's state with stable dtypes.
-
-    The copy keeps the caller's arrays alive although the step donates its input. Every leaf gets
-    a strong dtype (`TrainState.create` makes a weakly-typed int step, orbax restores a strong
-    one), so a fresh and a restored state hit the same compilation.
-    """
+    """A private, placed copy of the caller's state (the step donates its input), with strong
+    dtypes (`TrainState.create` makes a weakly-typed step, orbax restores a strong one), so a
+    fresh and a restored state hit the same compilation."""
     if not isinstance(state, TrainState):
         state = TrainState(step=state.step, apply_fn=state.apply_fn, params=state.params,
                            tx=state.tx, opt_state=state.opt_state,
@@ -1618,19 +1555,16 @@ def _place_state(state, seed, sharding):
     # Weak types and non-jax leaves (Python and numpy scalars) become strong numpy values.
     state = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.weak_type
                          else np.asarray(x), state)
-    # The transfer makes the copy (a jnp copy compiled an eager op per leaf shape: ~13 MB more
-    # peak memory on a small CNN). Onto several devices it still reuses the caller's buffer as
-    # one shard of a replicated array (jax 0.10), which donation would delete: copy those again.
+    # The transfer makes the copy (jnp copies compile an eager op per shape). Onto several devices
+    # it reuses the caller's buffer as one shard (jax 0.10), which donation would delete: copy it.
     placed = jax.device_put(state, sharding, may_alias=False)
     buffers = lambda x: {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
     aliases = lambda p, x: isinstance(x, jax.Array) and bool(buffers(p) & buffers(x))
-    return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p,
-                        placed, state)
+    return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p, placed, state)
 
 
 def _is_nnx(x):
-    # flax.nnx is imported only where an nnx model is passed, and its user has imported it:
-    # importing it for every run added ~0.3 s and ~9 MB of memory to runs that never use it.
+    # (not importing flax.nnx: it costs every run that never uses it ~0.3 s and ~9 MB)
     nnx = sys.modules.get("flax.nnx")
     return nnx is not None and isinstance(x, nnx.Module)
 
@@ -1655,6 +1589,3 @@ def _say(verbose, message):
 def _jsonable(tree):
     as_json = lambda o: o.item() if hasattr(o, "item") else str(o)  # numpy scalars; the rest
     return json.loads(json.dumps(tree, default=as_json))
-
-
-_PLAIN = (type(None), bool, int, float, str, np.generic)  # hparams TensorBoard can show
