@@ -25,10 +25,12 @@ def test_hook_moments_in_order(tmp_path, one_device_mesh):
     fit(make_state(MLP()), _data(10), _data(2, 1), loss_fn=loss_fn, eval_step=eval_step,
         num_epochs=2, log_every=4, hooks=[hook], workdir=str(tmp_path), mesh=one_device_mesh)
     events = [(e, s) for e, s, _ in calls]
+    # `save` comes before each checkpoint (#14 adds it; the TensorBoard hook writes its events to
+    # disk there): the first eval enters the kept best, and the end always saves.
     assert events == [
         ("train_start", 0),
-        ("log", 4), ("log", 8), ("log", 10), ("epoch_end", 10), ("eval", 10),
-        ("log", 12), ("log", 16), ("log", 20), ("epoch_end", 20), ("eval", 20),
+        ("log", 4), ("log", 8), ("log", 10), ("epoch_end", 10), ("eval", 10), ("save", 10),
+        ("log", 12), ("log", 16), ("log", 20), ("epoch_end", 20), ("eval", 20), ("save", 20),
         ("train_end", 20)], events
     metrics = {e: m for e, _, m in calls}
     assert "train/loss" in metrics["log"] and "train/grad_norm" in metrics["log"]
