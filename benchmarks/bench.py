@@ -11,7 +11,8 @@ classes, batch 128, made with numpy from a fixed seed) with optax.adam(1e-3), by
   hand        one `jax.jit` train step that donates the state, no logging, one
               `block_until_ready` at the end;
   hand_scan   a `lax.scan` of 10 steps per jitted call, fully unrolled (`unroll=True`);
-  fit         `fit()` with its defaults: progress bar, TensorBoard, a checkpoint every epoch;
+  fit         `fit()` with its defaults: progress bar, TensorBoard, checkpoints every 300 s of
+              wall time and at the end (so one, at the end, in these short runs);
   fit_scan    `fit(..., steps_per_jit=10)`.
 
 For the BatchNorm + Dropout model the hand loops do the work of fit's default train step:
@@ -34,8 +35,10 @@ Figures:
                   cached first, as a user's Python does at its first import).
 
 The whole-call scenario (CNN by default) trains for about `--whole-seconds` with an eval of a
-small test set every epoch: fit's whole call (including its checkpoint every epoch) against a
-hand loop that does the same evals but writes no checkpoints.
+small test set every epoch (`--whole-test-size 0`: no test set): fit's whole call with its
+defaults against a hand loop that does the same evals but writes no checkpoints. #14 and #16's
+tiny-MLP whole call is `--models mlp --whole-models mlp --whole-seconds 10 --whole-test-size 0`.
+Every ratio is the median of 5 (`--repeats`) within-pair ratios; the tables show their min-max.
 
 Writes benchmarks/results/latest.json and latest.md (quick.json and quick.md with --quick). The
 machine's load average is recorded at the start and end: on a shared machine the spread of the
