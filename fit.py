@@ -462,7 +462,7 @@ class TensorBoard:
             if not run.interrupted:  # the HParams session ended well
                 self.writer.file_writer.add_summary(hparams_summaries({}, {})[2])
             self.writer.close()
-            self.writer = None
+            run.writer = self.writer = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1594,5 +1594,5 @@ def _say(verbose, message):
 
 
 def _jsonable(tree):
-    as_json = lambda o: o.item() if hasattr(o, "item") else str(o)  # numpy scalars; the rest
+    as_json = lambda o: o.tolist() if hasattr(o, "tolist") else str(o)  # numpy values; the rest
     return json.loads(json.dumps(tree, default=as_json))

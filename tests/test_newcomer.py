@@ -92,12 +92,14 @@ def test_hparams_each_run_writes_only_its_session(tmp_path, one_device_mesh):
 def test_hparam_values_none_numpy_and_lists(tmp_path, one_device_mesh):
     _, history = fit(make_state(MLP()), _data(2), loss_fn=loss_fn, workdir=str(tmp_path),
                      mesh=one_device_mesh,
-                     hparams={"a": None, "b": np.float32(1e-4), "c": np.int64(3), "d": [1, 2]})
+                     hparams={"a": None, "b": np.float32(1e-4), "c": np.int64(3), "d": [1, 2],
+                              "e": np.array([4, 5])})
     hp = _session_hparams(_hparams_content(history.log_dir))
     assert hp["a"] == ("string_value", "None")
     assert hp["b"][0] == "number_value" and hp["b"][1] == pytest.approx(1e-4, rel=1e-5)
     assert hp["c"] == ("number_value", 3)
     assert hp["d"] == ("string_value", "[1, 2]")
+    assert hp["e"] == ("string_value", "[4, 5]")  # a numpy array: its text, not an error
 
 
 # c. verbose=
