@@ -884,7 +884,41 @@ _Steps = collections.namedtuple("_Steps", "train eval acc0 eval0 acc_names train
                                           "eval_names lr_known")  # what _build_steps makes
 
 
+_STEPS = collections.OrderedDict()  # the compiled steps of the last few runs (_build_steps)
+
+
 def _build_steps(state, train, test, opts, mesh, forward, eval_step):
+    """The steps of an earlier call with the same functions, optimizer (in the state's treedef),
+    placement and batch shapes, so that JAX's compile cache serves them (a notebook cell run
+    again compiles nothing); else new ones. At most 8 are kept."""
+    shapes = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))
+    key = (opts.train_step, opts.loss_fn, eval_step, forward, opts.lr_fn, opts.axis_name,
+           opts.on_nonfinite, mesh, shapes(train.spec), test and shapes(test.spec),
+           jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
+    reuse = forward is _linen_forward  # (an nnx model's closures hold the model: never kept)
+    try:
+        hash(key)
+    except TypeError:  # (a function or an optimizer that cannot be a key)
+        reuse = False
+    if reuse and key in _STEPS:
+        _STEPS.move_to_end(key)
+        steps = _STEPS[key]
+    else:
+        steps = _new_steps(state, train, test, opts, mesh, forward, eval_step)
+        if reuse:
+            _STEPS[key] = steps
+            if len(_STEPS) > 8:  # the least recently used goes
+                _STEPS.popitem(last=False)
+    replicated = NamedSharding(mesh, P())
+    # The sums start from zeros made here, not kept with the steps: a finished run leaves no array.
+    acc0 = {"sum": np.zeros(len(steps.acc_names), np.float32), "count": np.zeros(3, np.int32),
+            "lr": np.float32(0)}
+    eval0 = np.zeros(len(steps.eval_names) + 1, np.float32)
+    return steps._replace(acc0=jax.device_put(acc0, replicated),
+                          eval0=jax.device_put(eval0, replicated) if steps.eval else None)
+
+
+def _new_steps(state, train, test, opts, mesh, forward, eval_step):
     """Every jax.jit of the run, built once: the train step (alone, and as a scan over
     `steps_per_jit` stacked batches) and the eval step, each summing its metrics on device. The
     user's step is traced once (jax.eval_shape) for its metric names, before any compile, and
@@ -917,9 +951,7 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
-    acc0 = jax.device_put({"sum": np.zeros(len(names), np.float32),
-                           "count": np.zeros(3, np.int32), "lr": np.float32(0)}, replicated)
-    eval_fn, eval_names, eval0 = None, [], None
+    eval_fn, eval_names = None, []
     if test is not None:
         if eval_step is None and opts.loss_fn is None:
             raise ValueError("fit: pass eval_step=, or loss_fn= for an eval of the loss, to "
@@ -940,9 +972,8 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
             return acc + n * jnp.stack([*(metrics[k] for k in eval_names), 1.0]).astype(jnp.float32)
 
         eval_fn = jax.jit(_eval_and_accumulate, out_shardings=replicated)
-        eval0 = jax.device_put(np.zeros(len(eval_names) + 1, np.float32), replicated)
     run_train = lambda state, acc, batch, k: (train_1 if k == 1 else train_k)(state, acc, batch)
-    return _Steps(run_train, eval_fn, acc0, eval0, names,
+    return _Steps(run_train, eval_fn, None, None, names,
                   [k for k in names if k != "parameters"], eval_names, lr_of is not None)
 
 

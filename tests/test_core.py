@@ -696,3 +696,28 @@ def test_unknown_lr_is_not_logged_as_zero(tmp_path, one_device_mesh):
                      batch_size=8, log_every=1, mesh=one_device_mesh, workdir=str(tmp_path))
     assert "train/loss" in scalar_tags(history.log_dir)
     assert scalars(history.log_dir, "train/lr") == [], scalars(history.log_dir, "train/lr")
+
+
+def test_a_second_call_with_the_same_functions_compiles_nothing(digits, tmp_path, one_device_mesh,
+                                                                 compile_log):
+    # #16: a notebook cell run again (the same loss_fn, eval_step, apply_fn and optimizer, the
+    # same shapes and mesh) reuses the first call's jitted steps, so JAX's cache serves them.
+    x, y, xt, yt = digits
+    model, tx = MLP(), optax.adam(1e-3)
+    var = model.init(jax.random.key(0), x[:1], train=False)
+    kwargs = dict(loss_fn=loss_fn, eval_step=eval_step, batch_size=64, num_epochs=1,
+                  mesh=one_device_mesh, workdir=str(tmp_path))
+    compiles = lambda: compile_log.count() + compile_log.count("_eval_and_accumulate")
+    start = compiles()
+    fit(TrainState.create(apply_fn=model.apply, params=var["params"], tx=tx),
+        (x[:256], y[:256]), (xt[:64], yt[:64]), **kwargs)
+    first = compiles() - start
+    assert first >= 2, compile_log.shapes()  # the train step and the eval step
+    state, history = fit(TrainState.create(apply_fn=model.apply, params=var["params"], tx=tx),
+                         (x[:256], y[:256]), (xt[:64], yt[:64]), **kwargs)
+    assert compiles() - start == first, compile_log.messages[-3:]
+    assert int(state.step) == 4 and history["eval/accuracy"]
+    # A new optimizer object is another static part of the state: it compiles again.
+    fit(TrainState.create(apply_fn=model.apply, params=var["params"], tx=optax.adam(1e-3)),
+        (x[:256], y[:256]), (xt[:64], yt[:64]), **kwargs)
+    assert compiles() - start > first
