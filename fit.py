@@ -71,7 +71,7 @@ from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
 from tqdm.auto import tqdm
 
-__all__ = ["TrainState", "lr_schedule", "Options", "fit", "load_ckpt", "History",
+__all__ = ["TrainState", "Weighted", "lr_schedule", "Options", "fit", "load_ckpt", "History",
            "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
 
 
@@ -88,6 +88,12 @@ class TrainState(train_state.TrainState):
         if tx is not None:
             return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         return cls(step=0, apply_fn=apply_fn, params=params, tx=None, opt_state=None, **kwargs)
+
+
+Weighted = collections.namedtuple("Weighted", "total weight")
+Weighted.__doc__ = """A metric given as a sum and its weight, e.g. `Weighted(token_losses.sum(),
+mask.sum())` for a padded batch: fit logs sum(total) / sum(weight) over the whole eval set or log
+interval, exactly, where a plain per-batch mean is weighted by rows (eval) or steps (train)."""
 
 
 def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0):
@@ -600,11 +606,14 @@ def _evaluate(steps, test, put, meter, state):
         acc = steps.eval0
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), put):
             acc = steps.eval(state, acc, batch)
-        *sums, n = jax.device_get(acc).tolist()
-    if not n:
+        *sums, batches = jax.device_get(acc).tolist()
+    if not batches:
         raise ValueError("fit: test_ds yielded no batches; a generator can be iterated only "
                          "once: pass a list or a re-iterable loader.")
-    return {k: v / n for k, v in zip(steps.eval_names, sums)}
+    m = len(steps.eval_names)
+    pairs = dict(zip(steps.eval_names, zip(sums[:m], sums[m:])))
+    return {k: _mean(k, total, weight, "eval_step", "the eval set")
+            for k, (total, weight) in pairs.items()}
 
 
 _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
@@ -911,9 +920,9 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
                 _STEPS.popitem(last=False)
     replicated = NamedSharding(mesh, P())
     # The sums start from zeros made here, not kept with the steps: a finished run leaves no array.
-    acc0 = {"sum": np.zeros(len(steps.acc_names), np.float32), "count": np.zeros(3, np.int32),
+    acc0 = {"sum": np.zeros((2, len(steps.acc_names)), np.float32), "count": np.zeros(3, np.int32),
             "lr": np.float32(0)}
-    eval0 = np.zeros(len(steps.eval_names) + 1, np.float32)
+    eval0 = np.zeros(2 * len(steps.eval_names) + 1, np.float32)
     return steps._replace(acc0=jax.device_put(acc0, replicated),
                           eval0=jax.device_put(eval0, replicated) if steps.eval else None)
 
@@ -966,10 +975,11 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
         who = "eval_step" if eval_step else "loss_fn"
         eval_names = _metric_names(_trace(inner, state, test.spec, opts), who, "accuracy")
 
-        def _eval_and_accumulate(state, acc, batch):  # metric sums weighted by batch size; n
+        def _eval_and_accumulate(state, acc, batch):  # totals, weights (rows), batches
             n = jax.tree.leaves(batch)[0].shape[0]
             metrics = _as_dict(inner(state, batch), "accuracy")
-            return acc + n * jnp.stack([*(metrics[k] for k in eval_names), 1.0]).astype(jnp.float32)
+            pairs = _totals_and_weights([metrics[k] for k in eval_names], n)
+            return acc + jnp.append(pairs.ravel(), 1.0)
 
         eval_fn = jax.jit(_eval_and_accumulate, out_shardings=replicated)
     run_train = lambda state, acc, batch, k: (train_1 if k == 1 else train_k)(state, acc, batch)
@@ -1029,9 +1039,12 @@ def _split_loss(out):
 def _metric_names(metrics, who, default):
     """The names of a step's metrics, from their shapes (jax.eval_shape): each must be a scalar."""
     for name, value in _as_dict(metrics, default).items():
-        if getattr(value, "shape", ()) != ():
-            raise TypeError(f"fit: {who} must return scalar metrics (per-batch means), but "
-                            f"metric {name!r} has shape {value.shape}; reduce it with .mean().")
+        for part in value if isinstance(value, Weighted) else [value]:
+            if getattr(part, "shape", ()) != () or not jnp.issubdtype(part.dtype, jnp.number):
+                raise TypeError(f"fit: {who} must return scalar metrics (per-batch means or "
+                                f"Weighted(total, weight) of scalars), but metric {name!r} has "
+                                f"shape {part.shape} and dtype {part.dtype}; reduce it with "
+                                f".mean() or .sum().")
     return list(_as_dict(metrics, default))
 
 
@@ -1047,12 +1060,12 @@ def _train_and_accumulate(step_fn, names, lr_of, skip, state, acc, batch):
     metrics = _as_dict(metrics, "loss")
     norm = optax.tree.norm(new_state.params)
     metrics = {**metrics, "param_norm": metrics.get("param_norm", norm), "parameters": norm}
-    values = jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in names])
-    finite = jnp.all(jnp.isfinite(values))
+    values = _totals_and_weights([metrics[k] for k in names], 1)
+    finite = jnp.all(jnp.isfinite(values[0]))
     if skip:  # keep the old state on device, no host round trip; the step counts on
         new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
         new_state = new_state.replace(step=state.step + 1)
-        values = jnp.where(finite, values, 0.0)
+        values = jnp.where(finite, values, 0.0)  # (its weights too)
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     n, n_bad, first_bad = acc["count"]
@@ -1060,6 +1073,14 @@ def _train_and_accumulate(step_fn, names, lr_of, skip, state, acc, batch):
     first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
     count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
     return new_state, {"sum": acc["sum"] + values, "count": count.astype(jnp.int32), "lr": lr}
+
+
+def _totals_and_weights(metrics, rows):
+    """Metrics as one [2, n] array of totals and weights: a `Weighted` as given (a negative
+    weight becomes NaN, which the host reports), a plain mean `m` as `(rows * m, rows)`."""
+    pairs = [(m.total, jnp.where(m.weight >= 0, m.weight, jnp.nan)) if isinstance(m, Weighted)
+             else (rows * m, rows) for m in metrics]
+    return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
 
 
 def _trace(fn, state, spec, opts):
@@ -1194,16 +1215,18 @@ class _Meter:
     def _add(self, acc, step):
         n, n_bad, first_bad = (int(v) for v in acc["count"])
         if n_bad and not self.skipping:
-            bad = [k for k, v in zip(self.names, acc["sum"]) if not np.isfinite(v)]  # (NaN sums)
+            bad = [k for k, v in zip(self.names, acc["sum"][0]) if not np.isfinite(v)]
             what = ", ".join(sorted(bad, key=lambda k: k != "loss"))
             raise FloatingPointError(f"fit: non-finite values (NaN or Inf) in {what} at step "
                                      f"{first_bad + 1} (checked by step {step}); no checkpoint "
                                      f"was written after it. Lower the learning rate, check the "
                                      f"data, or pass on_nonfinite='skip' to drop such updates.")
-        values = {k: float(v) for k, v in zip(self.names, acc["sum"]) if k != "parameters"}
+        values = {k: [float(t), float(w)] for k, t, w in zip(self.names, *acc["sum"])
+                  if k != "parameters"}
         for part in (self.sums["log"], self.sums["epoch"]):
             part[0] += n
-            part[1] = {k: part[1].get(k, 0.0) + v for k, v in values.items()}
+            part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
+                       for k, v in values.items()}
         self.sums["skipped"] += n_bad
         self.lr = float(acc["lr"]) if self.lr_known else None
 
@@ -1230,7 +1253,9 @@ class _Meter:
         n, sums = self.sums[part]
         self.sums[part] = [0, {}]
         sums = sums if n or part == "epoch" else {}
-        means = {f"train/{k}": v / n if n else math.nan for k, v in sums.items()}
+        where = "an epoch" if part == "epoch" else f"the log interval after step {self.logged}"
+        means = {f"train/{k}": _mean(k, *v, "the train step", where) if n else math.nan
+                 for k, v in sums.items()}
         if self.skipping:
             means["train/skipped_steps"] = self.sums["skipped"]
         return means
@@ -1534,6 +1559,17 @@ def _check_schedule(state, opts, total):
                       f"about step {end}, but this run trains {total} steps. Was it built for "
                       f"this run (e.g. lr_schedule(steps_per_epoch=...): array data gives "
                       f"ceil(len(x) / batch_size) steps per epoch)?", stacklevel=3)
+
+
+def _mean(name, total, weight, who, where):
+    """A metric's exact value over many batches: the sum of its totals over their weights."""
+    if math.isnan(weight):
+        raise ValueError(f"fit: metric {name!r} of {who} has a negative weight in {where}; a "
+                         f"Weighted(total, weight) needs weight >= 0 (e.g. a count of tokens).")
+    if not weight:
+        raise ValueError(f"fit: metric {name!r} of {who} has a total weight of 0 over {where} "
+                         f"(all padding?), so it has no value; give it real examples.")
+    return total / weight
 
 
 def _positive_int(value):
