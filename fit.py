@@ -46,6 +46,7 @@ import dataclasses
 import difflib
 import functools
 import hashlib
+import inspect
 import itertools
 import json
 import logging
@@ -55,6 +56,7 @@ import re
 import signal
 import sys
 import time
+import types
 import warnings
 from typing import Any
 
@@ -71,8 +73,8 @@ from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
 from tqdm.auto import tqdm
 
-__all__ = ["TrainState", "Weighted", "lr_schedule", "Options", "fit", "load_ckpt", "History",
-           "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
+__all__ = ["TrainState", "Weighted", "lr_schedule", "Options", "fit", "evaluate", "load_ckpt",
+           "History", "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
 
 
 class TrainState(train_state.TrainState):
@@ -125,8 +127,9 @@ class Options:
     Building it checks every value, so a mistake fails before any work starts."""
     loss_fn: Any = None            # loss_fn(outputs, targets) -> loss or (loss, metrics)
     eval_step: Any = None          # eval_step(state, batch) -> scalar or {name: scalar}
-    train_step: Any = None         # train_step(state, batch) -> (state, metrics)
+    train_step: Any = None         # train_step(state, batch[, rng]) -> (state, metrics)
     optimizer: Any = None          # an nnx model's nnx.Optimizer
+    nnx_loss_fn: Any = None        # nnx_loss_fn(model, batch, rngs) -> loss or (loss, metrics)
     num_epochs: int = 1
     max_steps: int | None = None
     steps_per_epoch: int | None = None
@@ -143,7 +146,7 @@ class Options:
     mode: str = "auto"             # "min", "max" or "auto" (from the monitor's name)
     log_name: str = "run"
     workdir: str | None = None
-    resume: bool = False
+    resume: bool | str = False     # True: the latest run; or a run's name, e.g. "mnist_3"
     hparams: dict | None = None
     seed: int = 0
     lr_fn: Any = None              # lr_fn(step) -> learning rate, for logging
@@ -193,16 +196,16 @@ def fit(state, train_ds, test_ds=None, **options):
     # 1. Check everything that can be checked before touching the disk or compiling.
     opts = Options.of(options)
     _check_state(state, opts)
-    mesh = _mesh(opts)
+    forward, eval_step, finish = _linen_forward, opts.eval_step, lambda state: state
+    if _is_nnx(state):  # an nnx model trains as a TrainState of its variables
+        state, forward, eval_step, finish = _nnx_adapter(state, opts.optimizer, opts)
+    mesh = _mesh(opts, state)
     train = _Data(train_ds, "train_ds", opts, train=True)
     test = None if test_ds is None else _Data(test_ds, "test_ds", opts, train=False)
     _check_data(train, test, opts, mesh)
-    forward, eval_step, finish = _linen_forward, opts.eval_step, lambda state: state
-    if _is_nnx(state):  # an nnx model trains as a TrainState of its variables
-        state, forward, eval_step, finish = _nnx_adapter(state, opts.optimizer, eval_step)
 
     # 2. Place a private copy of the state on the devices.
-    state = _place_state(state, opts.seed, _state_shardings(state, opts.state_sharding, mesh))
+    state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
     steps = _build_steps(state, train, test, opts, mesh, forward, eval_step)
@@ -235,7 +238,8 @@ def fit(state, train_ds, test_ds=None, **options):
             ckpts.open()
             run.call("train_start", state, step, epoch)
             meter = _Meter(steps, opts, meta["meter"], step)  # its clock starts here
-            evaluate = functools.partial(_evaluate, steps, test, put, meter)
+            evaluate = functools.partial(_evaluate, steps, test, put,
+                                         functools.partial(meter.timed, "eval"))
             save = functools.partial(_save, ckpts, meter, run, opts)
             while not (run.stopping or plan.done(epoch, step)):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
@@ -277,13 +281,16 @@ def fit(state, train_ds, test_ds=None, **options):
     return finish(state), run.history
 
 
-def load_ckpt(state, ckpt_dir, step=None, optimizer=None):
+def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
     """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`).
     `step`: a step number, `"last"`/`None` or `"best"`. `state` gives the structure, shapes and
-    shardings, not values. An nnx model (with its `optimizer=`) is restored in place."""
+    shardings, not values. An nnx model (with its `optimizer=`) is restored in place.
+    `weights_only=True`: only `params` and `batch_stats`, into a state with another optimizer
+    (to fine-tune) or none; the rest of `state` stays as it is."""
     if _is_nnx(state):
-        adapted, _, _, finish = _nnx_adapter(state, optimizer, None, who="load_ckpt")
-        return finish(load_ckpt(adapted, ckpt_dir, step))
+        who = "load_ckpt" if optimizer or not weights_only else "evaluate"  # (no optimizer)
+        adapted, _, _, finish = _nnx_adapter(state, optimizer, who=who)
+        return finish(load_ckpt(adapted, ckpt_dir, step, weights_only=weights_only))
     if optimizer is not None:
         raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its own "
                          "(tx).")
@@ -307,9 +314,28 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None):
         placed = _place_state(state, 0, replicated)
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
-        return _restore(mgr, step, placed, "load_ckpt")[0]
+        return _restore(mgr, step, placed, "load_ckpt", weights_only)[0]
     finally:
         mgr.close()
+
+
+def evaluate(state, ds, eval_step=None, **options):
+    """The metrics of `state` (a TrainState, or an nnx model) over all of `ds`, `{name: value}`:
+    the same exact, sharded, weighted eval that `fit` runs. `options`: those of `fit` that concern
+    the data and the placement (`batch_size`, `batch_keys`, `eval_steps`, `mesh`,
+    `state_sharding`, ...); without `eval_step`, `loss_fn` or `nnx_loss_fn` gives the loss."""
+    opts = Options.of({**options, "eval_step": eval_step})
+    forward = _linen_forward
+    if _is_nnx(state):
+        state, forward, eval_step, _ = _nnx_adapter(state, opts.optimizer, opts, "evaluate")
+    mesh = _mesh(opts, state)
+    test = _Data(ds, "ds", opts, train=False)
+    state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
+    eval_fn, names = _eval_step(state, test, opts, mesh, forward, eval_step)
+    eval0 = jax.device_put(np.zeros(2 * len(names) + 1, np.float32), NamedSharding(mesh, P()))
+    steps = _Steps(None, eval_fn, None, eval0, [], [], names, False)
+    put = functools.partial(_put, mesh, opts.axis_name or "data")
+    return _evaluate(steps, test, put, contextlib.nullcontext, state)
 
 
 class History(dict):
@@ -591,7 +617,7 @@ def _save(ckpts, meter, run, opts, state, step, epoch, position):
     meta = {"epoch": epoch, "position": position if position[0] else (0, None),
             "meter": meter.sums, "history": run.history, "best": run.best,
             "best_step": run.best_step, "top": run.top, "hooks": hooks,
-            "stop": final, "target": [opts.num_epochs, opts.max_steps]}
+            "stop": final, "target": [opts.num_epochs, opts.max_steps], "seed": opts.seed}
     with meter.timed("save"):
         ckpts.save(step, state, meta, run.rank(step))
     run.save = False
@@ -600,9 +626,10 @@ def _save(ckpts, meter, run, opts, state, step, epoch, position):
                                        f"checkpoint saved, continue with resume=True.")
 
 
-def _evaluate(steps, test, put, meter, state):
-    """Metrics over the whole eval set: sums weighted by batch size, read once at the end."""
-    with meter.timed("eval"):
+def _evaluate(steps, test, put, timed, state):
+    """Metrics over the whole eval set: their totals and weights, summed on device and read once
+    at the end."""
+    with timed():
         acc = steps.eval0
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), put):
             acc = steps.eval(state, acc, batch)
@@ -627,7 +654,9 @@ class _Data:
 
     def __init__(self, ds, name, opts, train):
         self.name, self.shuffle, self.seed = name, train, opts.seed
-        self.keys, self.custom = opts.batch_keys, (opts.train_step if train else opts.eval_step)
+        # (the user's own functions take batches as they come)
+        self.keys = opts.batch_keys
+        self.custom = (opts.train_step if train else opts.eval_step) or opts.nnx_loss_fn
         self.steps_per_epoch = opts.steps_per_epoch if train else opts.eval_steps
         # (x, y): two arrays, or anything np.asarray takes that has a shape (torch, tf tensors)
         self.arrays = isinstance(ds, (tuple, list)) and len(ds) == 2 and all(
@@ -902,7 +931,7 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
     again compiles nothing); else new ones. At most 8 are kept."""
     shapes = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))
     key = (opts.train_step, opts.loss_fn, eval_step, forward, opts.lr_fn, opts.axis_name,
-           opts.on_nonfinite, mesh, shapes(train.spec), test and shapes(test.spec),
+           opts.on_nonfinite, opts.seed, mesh, shapes(train.spec), test and shapes(test.spec),
            jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
     reuse = forward is _linen_forward  # (an nnx model's closures hold the model: never kept)
     try:
@@ -934,7 +963,9 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
     jitted on its own so that the real call reuses that trace (a model's trace costs 0.1-0.2 s)."""
     replicated = NamedSharding(mesh, P())
     who = "train_step" if opts.train_step else "loss_fn"
-    step_fn = opts.train_step or _default_train_step(forward, opts.loss_fn, opts.axis_name)
+    step_fn = opts.train_step or _default_train_step(forward, opts.loss_fn, opts)
+    if opts.train_step and _takes_three(opts.train_step):  # train_step(state, batch, rng)
+        step_fn = lambda state, batch: opts.train_step(state, batch, _step_key(state, opts.seed))
     if opts.axis_name:  # the step runs per device; the default step averages over the devices
         step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(opts.axis_name)),
                                 out_specs=(P(), P()), check_vma=False)
@@ -960,67 +991,94 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
-    eval_fn, eval_names = None, []
-    if test is not None:
-        if eval_step is None and opts.loss_fn is None:
-            raise ValueError("fit: pass eval_step=, or loss_fn= for an eval of the loss, to "
-                             "evaluate on test_ds.")
-
-        def loss_eval(state, batch):  # without an eval_step: loss_fn's, in inference mode
-            outputs, _ = forward(state, state.params, batch[0], None, False)
-            loss, metrics = _split_loss(opts.loss_fn(outputs, batch[1]))
-            return {"loss": loss, **metrics}
-
-        inner = jax.jit(eval_step or loss_eval)
-        who = "eval_step" if eval_step else "loss_fn"
-        eval_names = _metric_names(_trace(inner, state, test.spec, opts), who, "accuracy")
-
-        def _eval_and_accumulate(state, acc, batch):  # totals, weights (rows), batches
-            n = jax.tree.leaves(batch)[0].shape[0]
-            metrics = _as_dict(inner(state, batch), "accuracy")
-            pairs = _totals_and_weights([metrics[k] for k in eval_names], n)
-            return acc + jnp.append(pairs.ravel(), 1.0)
-
-        eval_fn = jax.jit(_eval_and_accumulate, out_shardings=replicated)
+    eval_fn, eval_names = _eval_step(state, test, opts, mesh, forward, eval_step)
     run_train = lambda state, acc, batch, k: (train_1 if k == 1 else train_k)(state, acc, batch)
     return _Steps(run_train, eval_fn, None, None, names,
                   [k for k in names if k != "parameters"], eval_names, lr_of is not None)
 
 
-def _linen_forward(state, params, inputs, rng, train):
-    """A linen model's call: `(outputs, new batch_stats)`. BatchNorm statistics update in train
-    mode; dropout draws from `rng`."""
-    has_stats = bool(jax.tree.leaves(state.batch_stats))
-    variables = {"params": params, **({"batch_stats": state.batch_stats} if has_stats else {})}
+def _eval_step(state, test, opts, mesh, forward, eval_step):
+    """The jitted eval step, which adds a batch's metric totals and weights (its rows, for a
+    plain mean) to the sums, and the metric names."""
+    if test is None:
+        return None, []
+    if eval_step is None and opts.loss_fn is None and opts.nnx_loss_fn is None:
+        raise ValueError("fit: pass eval_step=, or loss_fn= for an eval of the loss, to "
+                         "evaluate on test_ds.")
+
+    def loss_eval(state, batch):  # without an eval_step: loss_fn's, in inference mode
+        out, _ = forward(opts.loss_fn, state, state.params, batch, _step_key(state, opts.seed),
+                         False)
+        loss, metrics = _split_loss(out)
+        return {"loss": loss, **metrics}
+
+    inner = jax.jit(eval_step or loss_eval)
+    who = "eval_step" if eval_step else "loss_fn"
+    names = _metric_names(_trace(inner, state, test.spec, opts), who, "accuracy")
+
+    def _eval_and_accumulate(state, acc, batch):  # totals, weights, batches
+        n = jax.tree.leaves(batch)[0].shape[0]
+        metrics = _as_dict(inner(state, batch), "accuracy")
+        return acc + jnp.append(_totals_and_weights([metrics[k] for k in names], n).ravel(), 1.0)
+
+    return jax.jit(_eval_and_accumulate, out_shardings=NamedSharding(mesh, P())), names
+
+
+def _linen_forward(loss_fn, state, params, batch, rng, train):
+    """A linen model's loss: `(loss_fn(outputs, targets), new batch_stats)`. BatchNorm statistics
+    update in train mode; dropout draws from `rng`."""
+    inputs, targets = batch
+    stats = getattr(state, "batch_stats", {})  # (a class without the field: a model without)
+    has_stats = bool(jax.tree.leaves(stats))
+    variables = {"params": params, **({"batch_stats": stats} if has_stats else {})}
     kwargs = {"rngs": {"dropout": rng}, "mutable": ["batch_stats"] if has_stats else False}
     out = state.apply_fn(variables, inputs, train=train, **(kwargs if train else {}))
     if train and has_stats:  # (with mutable collections, apply returns them beside the outputs)
-        return out[0], out[1]["batch_stats"]
-    return out, state.batch_stats
+        out, stats = out[0], out[1]["batch_stats"]
+    return loss_fn(out, targets), stats
 
 
-def _default_train_step(forward, loss_fn, axis_name=None):
-    """The one gradient step of linen and nnx models alike: a forward pass in train mode,
-    `loss_fn`, the gradients, one update. With `axis_name` it runs on each device's share of the
+def _default_train_step(forward, loss_fn, opts):
+    """The one gradient step of linen and nnx models alike: the loss of a forward pass in train
+    mode, the gradients, one update. With `axis_name` it runs on each device's share of the
     batch (under shard_map) and averages gradients and metrics, as pmap-era code did."""
+    axis_name = opts.axis_name
+
     def train_step(state, batch):
-        inputs, targets = batch
-        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        rng = _step_key(state, opts.seed)
         if axis_name:  # each device draws its own dropout masks
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
 
         def loss_of(params):
-            outputs, batch_stats = forward(state, params, inputs, rng, True)
-            loss, metrics = _split_loss(loss_fn(outputs, targets))
+            out, batch_stats = forward(loss_fn, state, params, batch, rng, True)
+            loss, metrics = _split_loss(out)
             return loss, (metrics, batch_stats)
 
         (loss, (metrics, batch_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
             state.params)
         if axis_name:
             grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis_name)
-        state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+        stats = {"batch_stats": batch_stats} if hasattr(state, "batch_stats") else {}
+        state = state.apply_gradients(grads=grads, **stats)
         return state, {"loss": loss, **metrics, "grad_norm": optax.tree.norm(grads)}
     return train_step
+
+
+def _step_key(state, seed):
+    """The key of this step, a pure function of the run's base key and the step, so that a
+    resumed run draws what an uninterrupted one would. The base key is the state's `rng` where
+    its class has that field, else the seed's."""
+    rng = getattr(state, "rng", None)
+    rng = jax.random.key(seed) if rng is None else rng
+    return jax.random.fold_in(rng if _is_key(rng) else jax.random.wrap_key_data(rng), state.step)
+
+
+def _takes_three(fn):
+    try:
+        inspect.signature(fn).bind(None, None, None)
+        return True
+    except (TypeError, ValueError):  # (ValueError: a signature Python cannot read)
+        return False
 
 
 def _split_loss(out):
@@ -1085,7 +1143,7 @@ def _totals_and_weights(metrics, rows):
 
 def _trace(fn, state, spec, opts):
     """The output shapes of `fn(state, batch)`: checks the user's functions before any compile
-    or directory, and turns two cryptic failures into advice."""
+    or directory, and turns three cryptic failures into advice."""
     try:
         return jax.eval_shape(fn, state, spec)
     except NameError as e:
@@ -1101,14 +1159,24 @@ def _trace(fn, state, spec, opts):
         raise TypeError(f"fit: the model does not take train=, which fit's default step passes "
                         f"({e}). Pass your own train_step(state, batch) -> (state, metrics) and "
                         f"eval_step(state, batch) that call it your way; see README.md.") from None
+    except flax.errors.ScopeCollectionNotFound as e:
+        if "batch_stats" not in str(e) or hasattr(state, "batch_stats"):
+            raise
+        name = type(state).__name__
+        raise TypeError(f"fit: the model has BatchNorm statistics, but {name} has no batch_stats "
+                        f"field to keep them in; add one (class MyState({name}): batch_stats: "
+                        f"Any = None, then MyState.create(..., batch_stats=variables["
+                        f"'batch_stats'])), or use fit.TrainState.") from None
 
 
-def _nnx_adapter(model, optimizer, eval_step, who="fit"):
+def _nnx_adapter(model, optimizer, opts=None, who="fit"):
     """An nnx model and its optimizer as a TrainState: `params` is what the optimizer trains
     (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the Rngs' state, so dropout
     resumes exactly). Each step merges them into a module in plain `jax.jit` (nnx.jit costs ~0.3
     ms more a call); `finish(state)` writes the user's model and optimizer, in place."""
     from flax import nnx
+    if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only): no optimizer
+        optimizer = types.SimpleNamespace(tx=None, opt_state=None, step=np.int32(0), wrt=nnx.Param)
     missing = [a for a in ("tx", "opt_state", "step", "wrt") if not hasattr(optimizer, a)]
     if missing:  # (not the object's repr: an optimizer's repr prints the whole model)
         got = "None" if optimizer is None else f"{type(optimizer).__name__} (no {missing})"
@@ -1134,7 +1202,8 @@ def _nnx_adapter(model, optimizer, eval_step, who="fit"):
                        tx=optimizer.tx, opt_state=pure(optimizer.opt_state),
                        batch_stats=as_data(rest))
     try:
-        jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
+        if state.tx is not None:
+            jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{who}: the optimizer's state does not fit the model's parameters; "
                          f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
@@ -1145,22 +1214,26 @@ def _nnx_adapter(model, optimizer, eval_step, who="fit"):
         model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
         return model
 
-    def forward(state, params, inputs, rng, train):  # (Dropout draws from the model's Rngs)
+    def forward(loss_fn, state, params, batch, rng, train):
         model = merged(params, state.batch_stats, train)
-        outputs = model(inputs)
+        if opts.nnx_loss_fn:  # the user's call, with the step's key (fit's rng, not the model's)
+            out = opts.nnx_loss_fn(model, batch, nnx.Rngs(rng))
+        else:  # Dropout draws from the model's own Rngs, carried in batch_stats
+            out = loss_fn(model(batch[0]), batch[1])
         nnx.pop(model, nnx.Intermediate)
-        return outputs, as_data(nnx.state(model, nnx.Not(optimizer.wrt)))
+        return out, as_data(nnx.state(model, nnx.Not(optimizer.wrt)))
 
     def eval_fn(state, batch):
-        return eval_step(merged(state.params, state.batch_stats, False), batch)
+        return opts.eval_step(merged(state.params, state.batch_stats, False), batch)
 
     def finish(state):
         nnx.update(model, state.params, as_keys(state.batch_stats))
-        nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
-        optimizer.step[...] = state.step
+        if state.tx is not None:
+            nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
+            optimizer.step[...] = state.step
         return model
 
-    return state, forward, eval_step and eval_fn, finish
+    return state, forward, opts and opts.eval_step and eval_fn, finish
 
 
 class _Meter:
@@ -1300,7 +1373,7 @@ class _Checkpoints:
         self.log_dir = os.path.join(workdir, "logs", self.run)
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
         self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, opts.max_to_keep
-        self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
+        self.interval, self.last_time, self.seed = opts.ckpt_interval, time.monotonic(), opts.seed
         self.mgr, self.saved, self.good = None, None, None
 
     def restore(self, state):
@@ -1314,6 +1387,9 @@ class _Checkpoints:
         self.saved = self.good = self.mgr.latest_step()
         try:
             state, saved = _restore(self.mgr, self.saved, state, "fit")
+            if saved.get("seed", self.seed) != self.seed:  # (its shuffles and random keys)
+                raise ValueError(f"fit: run {self.run} was trained with seed={saved['seed']}; "
+                                 f"resume it with that seed, or start a fresh run.")
         except BaseException:
             self.close()  # (the manager's threads and fit's log filter end with it)
             raise
@@ -1348,7 +1424,7 @@ class _Checkpoints:
         self.wait()  # the previous save commits first (orbax would wait here too)
         with self._failure(step):
             self.mgr.save(step, metrics=None if value is None else {self.monitor: value},
-                          args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                          args=ocp.args.Composite(state=ocp.args.StandardSave(_key_data(state)),
                                                   meta=ocp.args.JsonSave(_jsonable(meta))))
         self.saved, self.last_time = step, time.monotonic()
 
@@ -1391,13 +1467,16 @@ def _open(ckpt_dir, options):
     return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
 
 
-def _restore(mgr, step, state, who):
-    """Restores `(state, meta)` of `step` into `state`'s structure, shapes and shardings."""
+def _restore(mgr, step, state, who, weights_only=False):
+    """Restores `(state, meta)` of `step` into `state`'s structure, shapes and shardings;
+    `weights_only`: only its `params` and `batch_stats`, into a state with any optimizer."""
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          state)
+                          _key_data(state))
     # Compare first: orbax's own errors do not name the parameter whose shape differs.
-    shapes = lambda tree: {jax.tree_util.keystr(path, simple=True, separator="/"): tuple(x.shape)
-                           for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+    name = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")
+    weight = lambda path: not weights_only or name(path).split("/")[0] in ("params", "batch_stats")
+    shapes = lambda tree: {name(path): tuple(x.shape) for path, x in
+                           jax.tree_util.tree_leaves_with_path(tree) if weight(path)}
     stored, wanted = shapes(mgr.item_metadata(step)["state"]), shapes(target)
     problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
                 + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
@@ -1409,18 +1488,37 @@ def _restore(mgr, step, state, who):
                          f"this state ({len(problems)} differences, another model or "
                          f"optimizer?):\n  {listed}\nUse the model and optimizer of the run that "
                          f"wrote it, or start a fresh run (resume=False or another log_name).")
+    if weights_only:  # the whole checkpoint as saved (orbax cannot restore a part), then a part
+        out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        saved = {name(p): x for p, x in jax.tree_util.tree_leaves_with_path(out["state"])}
+        take = lambda path, s: jax.device_put(jnp.asarray(saved[name(path)], s.dtype), s.sharding)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, s: take(path, s) if weight(path) else s, state), None
     out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                     meta=ocp.args.JsonRestore()))
-    restored = jax.tree.map(lambda r, s: jnp.asarray(r, s.dtype), out["state"], state)
-    return restored, out["meta"]
+    as_before = lambda r, s: jax.random.wrap_key_data(r, impl=jax.random.key_impl(s)) if \
+        _is_key(s) else jnp.asarray(r, s.dtype)
+    return jax.tree.map(as_before, out["state"], state), out["meta"]
+
+
+def _key_data(tree):
+    """Typed PRNG keys as their raw uint32 data, which orbax can save."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
 def _pick_run(workdir, log_name, resume):
     """Run names are `<log_name>_<n>`: a fresh run takes the next free n, `resume=True` the
-    highest. Returns the name and whether it has a checkpoint to go on from."""
+    highest, `resume="<name>"` that run. Returns the name and whether it has a checkpoint to go
+    on from."""
     def listed(*path):
         path = os.path.join(workdir, *path)
         return os.listdir(path) if os.path.isdir(path) else []
+    if isinstance(resume, str):  # (processes see one shared workdir, as orbax needs)
+        if resume not in listed("logs") + listed("checkpoints"):
+            known = sorted(set(listed("logs") + listed("checkpoints"))) or "none"
+            raise ValueError(f"fit: resume={resume!r} is not a run in {workdir}; its runs: "
+                             f"{known}. Pass one of them, or resume=True for the latest.")
+        return resume, any(d.isdigit() for d in listed("checkpoints", resume))
     runs = [re.fullmatch(re.escape(log_name) + r"_(\d+)", e) for e in listed("logs") +
             listed("checkpoints")]
     taken = {int(m.group(1)) for m in runs if m}
@@ -1468,16 +1566,22 @@ class _Signals:
 # Checks and small helpers.
 
 def _check_state(state, opts):
-    if opts.train_step is None and opts.loss_fn is None:
+    if not (opts.train_step or opts.loss_fn or opts.nnx_loss_fn):
         raise ValueError("fit: pass loss_fn(outputs, targets)" + (
-            "." if _is_nnx(state) else " (or your own train_step)."))
+            " or nnx_loss_fn(model, batch, rngs)." if _is_nnx(state) else
+            " (or your own train_step)."))
     if _is_nnx(state):
+        if opts.loss_fn and opts.nnx_loss_fn:
+            raise ValueError("fit: pass loss_fn= or nnx_loss_fn=, not both.")
         for name in ("train_step", "axis_name"):
             if getattr(opts, name) is not None:
                 raise ValueError(f"fit: {name}= is for TrainState runs; an nnx model trains with "
-                                 f"loss_fn(model(inputs), targets) and eval_step(model, batch).")
-    elif opts.optimizer is not None:
-        raise ValueError("fit: optimizer= is for nnx models; a TrainState carries its own (tx).")
+                                 f"loss_fn(model(inputs), targets) or nnx_loss_fn(model, batch, "
+                                 f"rngs), and eval_step(model, batch).")
+    elif opts.optimizer is not None or opts.nnx_loss_fn is not None:
+        name = "optimizer" if opts.optimizer is not None else "nnx_loss_fn"
+        raise ValueError(f"fit: {name}= is for nnx models; a TrainState carries its own "
+                         f"optimizer (tx), and fit calls loss_fn(outputs, targets) for it.")
     elif getattr(state, "tx", None) is None or not hasattr(state, "apply_gradients"):
         raise ValueError(f"fit: state must be a TrainState with an optimizer (tx), got "
                          f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build "
@@ -1485,8 +1589,16 @@ def _check_state(state, opts):
                          f"(...)), or pass an nnx model with optimizer=nnx.Optimizer(...).")
 
 
-def _mesh(opts):
+def _mesh(opts, state):
+    """`mesh=`; else the mesh that the state's arrays are already sharded over (they keep their
+    shardings); else every device along one 'data' axis."""
+    own = {x.sharding.mesh for x in jax.tree.leaves(state) if _split(x)}
     mesh = opts.mesh or Mesh(np.array(jax.devices()), ("data",))
+    if opts.mesh is None and opts.state_sharding is None and len(own) == 1:
+        mesh = own.pop()
+        if "data" not in mesh.axis_names:
+            raise ValueError(f"fit: the state is sharded over a mesh with axes {mesh.axis_names}"
+                             f", without a 'data' axis to shard batches over; pass mesh=.")
     # A model written for pmap calls lax.pmean(..., axis_name): the data axis takes that name.
     rename = lambda axis: opts.axis_name if axis == "data" and opts.axis_name else axis
     return Mesh(mesh.devices, tuple(map(rename, mesh.axis_names)))
@@ -1580,7 +1692,7 @@ _RULES = {  # option: (error, is a value valid?, what it must be); None passes i
     **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit",
                      "ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "eval_steps",
                      "batch_size"), (ValueError, _positive_int, "a positive integer")),
-    **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn"),
+    **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn", "nnx_loss_fn"),
                     (TypeError, callable, "a function")),
     "mode": (ValueError, lambda v: v in ("auto", "min", "max"), "'auto', 'min' or 'max'"),
     "verbose": (ValueError, lambda v: v in (0, 1, 2), "0, 1 or 2"),
@@ -1590,6 +1702,8 @@ _RULES = {  # option: (error, is a value valid?, what it must be); None passes i
     "hooks": (TypeError, lambda v: isinstance(v, (list, tuple)) and all(map(callable, v)),
               "a list of functions hook(event, run)"),
     "hparams": (TypeError, lambda v: isinstance(v, dict), "a dict of name -> value"),
+    "resume": (ValueError, lambda v: isinstance(v, bool) or isinstance(v, str) and v,
+               "True, False or the name of a run"),
     "batch_keys": (ValueError, lambda v: isinstance(v, (tuple, list)) and len(v) == 2,
                    "a pair (inputs_key, targets_key)"),
     "log_name": (ValueError, lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]+", v),
@@ -1597,12 +1711,21 @@ _RULES = {  # option: (error, is a value valid?, what it must be); None passes i
 }
 
 
-def _state_shardings(state, state_sharding, mesh):
-    """Where each leaf of the state lives: replicated by default, else `state_sharding` (a tree
-    like the state, or a function of it, of PartitionSpecs or shardings; e.g. from
-    `flax.linen.get_partition_spec`), with specs laid over `mesh`."""
-    if state_sharding is None:
-        return NamedSharding(mesh, P())
+def _split(x):
+    """Whether `x` is an array split over the devices of a mesh."""
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated
+
+
+def _state_shardings(state, opts, mesh):
+    """Where each leaf of the state lives: `state_sharding` (a tree like the state, or a function
+    of it, of PartitionSpecs or shardings, as the user's own jax.jit would take: e.g. from
+    `flax.linen.get_partition_spec`), with specs laid over `mesh`; else where a leaf already is
+    split over `mesh`; else replicated."""
+    if opts.state_sharding is None:
+        return jax.tree.map(lambda x: x.sharding if _split(x) and x.sharding.mesh == mesh
+                            else NamedSharding(mesh, P()), state)
+    state_sharding = opts.state_sharding
     tree = state_sharding(state) if callable(state_sharding) else state_sharding
     is_leaf = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))
     to_sharding = lambda s: s if isinstance(s, jax.sharding.Sharding) else NamedSharding(
@@ -1615,25 +1738,24 @@ def _state_shardings(state, state_sharding, mesh):
 
 
 def _place_state(state, seed, sharding):
-    """A private, placed copy of the caller's state (the step donates its input), with strong
-    dtypes (`TrainState.create` makes a weakly-typed step, orbax restores a strong one), so a
-    fresh and a restored state hit the same compilation."""
-    if not isinstance(state, TrainState):
-        state = TrainState(step=state.step, apply_fn=state.apply_fn, params=state.params,
-                           tx=state.tx, opt_state=state.opt_state,
-                           batch_stats=getattr(state, "batch_stats", {}) or {},
-                           rng=getattr(state, "rng", None))
-    rng = jax.random.key(seed) if state.rng is None else state.rng
-    rng = jnp.asarray(jax.random.key_data(rng) if _is_key(rng) else rng, jnp.uint32)
-    state = state.replace(rng=rng, batch_stats=state.batch_stats or {})
+    """A private, placed copy of the caller's state (the step donates its input), of its own
+    class, with strong dtypes (`TrainState.create` makes a weakly-typed step, orbax restores a
+    strong one), so a fresh and a restored state hit the same compilation. `sharding`: a
+    Sharding, or a function of the state completed here (fit's `rng` filled from `seed`)."""
+    if getattr(state, "rng", False) is None:  # (fit's TrainState: raw key data, for orbax)
+        state = state.replace(rng=jax.random.key_data(jax.random.key(seed)))
+    if getattr(state, "batch_stats", False) is None:
+        state = state.replace(batch_stats={})
     # Weak types and non-jax leaves (Python and numpy scalars) become strong numpy values.
-    state = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not x.weak_type
-                         else np.asarray(x), state)
+    state = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not getattr(
+        x, "weak_type", False) else np.asarray(x), state)  # (typed keys have no weak_type)
+    sharding = sharding(state) if callable(sharding) else sharding
     # The transfer makes the copy (jnp copies compile an eager op per shape). Onto several devices
     # it reuses the caller's buffer as one shard (jax 0.10), which donation would delete: copy it.
     placed = jax.device_put(state, sharding, may_alias=False)
     buffers = lambda x: {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
-    aliases = lambda p, x: isinstance(x, jax.Array) and bool(buffers(p) & buffers(x))
+    aliases = lambda p, x: isinstance(x, jax.Array) and (_is_key(x) or bool(buffers(p) &
+                                                                         buffers(x)))
     return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p, placed, state)
 
 

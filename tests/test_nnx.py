@@ -341,7 +341,8 @@ def test_wrong_arguments_are_refused_before_any_directory(data, tmp_path):
         load_ckpt(model, str(tmp_path), optimizer=other)
     with pytest.raises(ValueError, match=r"load_ckpt: optimizer= is for nnx models"):
         load_ckpt(make_state(), str(tmp_path), optimizer=opt)
-    with pytest.raises(ValueError, match=r"pass loss_fn\(outputs, targets\)\.$"):  # no train_step advice
+    with pytest.raises(ValueError, match=r"pass loss_fn\(outputs, targets\) or nnx_loss_fn\(model, batch, "
+                                         r"rngs\)\.$"):  # no train_step advice
         fit.fit(model, (x, y), optimizer=opt, batch_size=BATCH, workdir=str(tmp_path))
     assert os.listdir(tmp_path) == []  # all refused before any directory was made
     assert int(opt.step[...]) == 0 and int(model.drop.rngs.count[...]) == 0
