@@ -605,10 +605,11 @@ def _end_epoch(run, meter, plan, evaluate, overdue, state, step, epoch, complete
 
 def _save(ckpts, meter, run, opts, state, step, epoch, position):
     """Writes a checkpoint of this step, asynchronously, with all the rest of the run depends on.
-    Reading the metrics first is the non-finite check: a NaN state is never written."""
+    Reading the metrics and checking the parameters first: a NaN state is never written."""
     if step == ckpts.saved:
         return
     run.log(state, step, epoch, meter.read(step, log_due=False, sync=True))
+    meter.check(step, None, state)
     run.call("save", state, step, epoch)
     if run.stopping:
         run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
@@ -918,8 +919,8 @@ def _pick_monitor(monitor, mode, train_names, eval_names):
     return monitor, mode
 
 
-_Steps = collections.namedtuple("_Steps", "train eval acc0 eval0 acc_names train_names "
-                                          "eval_names lr_known")  # what _build_steps makes
+_Steps = collections.namedtuple("_Steps", "train eval param_norm acc0 eval0 acc_names "
+                                          "train_names eval_names lr_known")  # (_build_steps)
 
 
 _STEPS = collections.OrderedDict()  # the compiled steps of the last few runs (_build_steps)
@@ -931,7 +932,7 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
     again compiles nothing); else new ones. At most 8 are kept."""
     shapes = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))
     key = (opts.train_step, opts.loss_fn, eval_step, forward, opts.lr_fn, opts.axis_name,
-           opts.on_nonfinite, opts.seed, mesh, shapes(train.spec), test and shapes(test.spec),
+           opts.on_nonfinite, opts.seed, opts.log_every, mesh, shapes(train.spec), test and shapes(test.spec),
            jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
     reuse = forward is _linen_forward  # (an nnx model's closures hold the model: never kept)
     try:
@@ -950,7 +951,7 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
     replicated = NamedSharding(mesh, P())
     # The sums start from zeros made here, not kept with the steps: a finished run leaves no array.
     acc0 = {"sum": np.zeros((2, len(steps.acc_names)), np.float32), "count": np.zeros(3, np.int32),
-            "lr": np.float32(0)}
+            "lr": np.float32(0), "norms": np.zeros(3, np.float32)}
     eval0 = np.zeros(2 * len(steps.eval_names) + 1, np.float32)
     return steps._replace(acc0=jax.device_put(acc0, replicated),
                           eval0=jax.device_put(eval0, replicated) if steps.eval else None)
@@ -970,10 +971,9 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
         step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(opts.axis_name)),
                                 out_specs=(P(), P()), check_vma=False)
     step_fn = jax.jit(step_fn)
-    names = _metric_names(_trace(step_fn, state, train.spec, opts)[1], who, "loss")
-    # param_norm (the norm of the new parameters) doubles as the non-finite check of the state:
-    # it is NaN/Inf whenever any parameter is (an isfinite per array compiled ~25% slower).
-    names += ["param_norm"] if "param_norm" not in names else ["parameters"]
+    traced = _metric_names(_trace(step_fn, state, train.spec, opts)[1], who, "loss")
+    names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
+    norms = [k for k in _NORMS if k in traced or k == "param_norm"]
     # The learning rate a step used, read from the state after it: lr_fn of the step's number,
     # or what optax's inject_hyperparams stored in the optimizer state.
     is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
@@ -982,8 +982,7 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
         lr_of = lambda s: opts.lr_fn(s.step - 1)
     elif lr_of(state) is None:
         lr_of = None
-    one = functools.partial(_train_and_accumulate, step_fn, tuple(names), lr_of,
-                            opts.on_nonfinite == "skip")
+    one = functools.partial(_train_and_accumulate, step_fn, tuple(names), lr_of, opts)
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
     # k steps per call: a scan over a stacked group of k batches. XLA's CPU backend runs a rolled
@@ -993,8 +992,10 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
     eval_fn, eval_names = _eval_step(state, test, opts, mesh, forward, eval_step)
     run_train = lambda state, acc, batch, k: (train_1 if k == 1 else train_k)(state, acc, batch)
-    return _Steps(run_train, eval_fn, None, None, names,
-                  [k for k in names if k != "parameters"], eval_names, lr_of is not None)
+    # The check before every save: a state with non-finite parameters is never written.
+    param_norm = jax.jit(_param_norm, out_shardings=replicated)
+    return _Steps(run_train, eval_fn, param_norm, None, None, names, names + norms, eval_names,
+                  lr_of is not None)
 
 
 def _eval_step(state, test, opts, mesh, forward, eval_step):
@@ -1060,7 +1061,7 @@ def _default_train_step(forward, loss_fn, opts):
             grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis_name)
         stats = {"batch_stats": batch_stats} if hasattr(state, "batch_stats") else {}
         state = state.apply_gradients(grads=grads, **stats)
-        return state, {"loss": loss, **metrics, "grad_norm": optax.tree.norm(grads)}
+        return state, {"loss": loss, **metrics, "grad_norm": _log_norm(state, opts, grads)}
     return train_step
 
 
@@ -1110,16 +1111,21 @@ def _as_dict(metrics, default):
     return metrics if isinstance(metrics, dict) else {default: metrics}
 
 
-def _train_and_accumulate(step_fn, names, lr_of, skip, state, acc, batch):
+def _train_and_accumulate(step_fn, names, lr_of, opts, state, acc, batch):
     """One train step plus the on-device bookkeeping: metric sums since the last log point, the
-    non-finite steps, the learning rate. The metrics travel as one vector: on XLA's CPU backend
-    every small op and output costs microseconds a step, which a tiny model feels."""
+    non-finite steps, the learning rate, and the norms of a log step. The metrics travel as one
+    array: on XLA's CPU backend every small op and output costs microseconds a step, which a
+    tiny model feels."""
     new_state, metrics = step_fn(state, batch)
     metrics = _as_dict(metrics, "loss")
-    norm = optax.tree.norm(new_state.params)
-    metrics = {**metrics, "param_norm": metrics.get("param_norm", norm), "parameters": norm}
+    skip = opts.on_nonfinite == "skip"
+    # With "skip", the parameters' norm is checked at every step, to drop an update that makes
+    # them non-finite; else at log steps and before saves.
+    norm = optax.tree.norm(new_state.params) if skip else _log_norm(state, opts, new_state.params)
+    norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)],
+                      jnp.float32)
     values = _totals_and_weights([metrics[k] for k in names], 1)
-    finite = jnp.all(jnp.isfinite(values[0]))
+    finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
     if skip:  # keep the old state on device, no host round trip; the step counts on
         new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
         new_state = new_state.replace(step=state.step + 1)
@@ -1130,7 +1136,28 @@ def _train_and_accumulate(step_fn, names, lr_of, skip, state, acc, batch):
     lr = acc["lr"] if lr_of is None else jnp.asarray(lr_of(new_state), jnp.float32)
     first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
     count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
-    return new_state, {"sum": acc["sum"] + values, "count": count.astype(jnp.int32), "lr": lr}
+    norms = jnp.where(_at_log(state, opts), jnp.append(norms, 1.0), acc["norms"])  # (1: set)
+    return new_state, {"sum": acc["sum"] + values, "count": count.astype(jnp.int32), "lr": lr,
+                       "norms": norms}
+
+
+_NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
+
+
+def _at_log(state, opts):
+    """Whether the step that `state` goes into ends at a multiple of `log_every`."""
+    return (state.step + 1) % opts.log_every == 0
+
+
+def _param_norm(state):
+    return optax.tree.norm(state.params)
+
+
+def _log_norm(state, opts, tree):
+    """The norm of `tree` at log steps, else 0: a pass over every parameter and gradient each
+    step cost a tiny MLP 3-10% of its speed, for values that only log points show."""
+    norm = lambda tree: jnp.asarray(optax.tree.norm(tree), jnp.float32)
+    return jax.lax.cond(_at_log(state, opts), norm, lambda tree: jnp.float32(0), tree)
 
 
 def _totals_and_weights(metrics, rows):
@@ -1244,6 +1271,7 @@ class _Meter:
     def __init__(self, steps, opts, sums, step):
         self.names, self.acc0, self.acc = steps.acc_names, steps.acc0, steps.acc0
         self.skipping, self.lr_known = opts.on_nonfinite == "skip", steps.lr_known
+        self.norm_names, self.norms, self.param_norm = steps.train_names, {}, steps.param_norm
         # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
         self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
         self.pending, self.lr, self.logged, self.first_step = None, None, step, step
@@ -1294,8 +1322,12 @@ class _Meter:
                                      f"{first_bad + 1} (checked by step {step}); no checkpoint "
                                      f"was written after it. Lower the learning rate, check the "
                                      f"data, or pass on_nonfinite='skip' to drop such updates.")
-        values = {k: [float(t), float(w)] for k, t, w in zip(self.names, *acc["sum"])
-                  if k != "parameters"}
+        grad_norm, param_norm, is_set = acc["norms"].tolist()  # (set at a log step)
+        if is_set:
+            self.norms = {f"train/{k}": v for k, v in zip(_NORMS, (grad_norm, param_norm))
+                          if k in self.norm_names}
+            self.check(step, param_norm if math.isfinite(grad_norm) else grad_norm)
+        values = {k: [float(t), float(w)] for k, t, w in zip(self.names, *acc["sum"])}
         for part in (self.sums["log"], self.sums["epoch"]):
             part[0] += n
             part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
@@ -1307,7 +1339,8 @@ class _Meter:
         """The means of the interval that ends at `step`, with the learning rate and speed."""
         if step == self.logged:
             return []
-        means = self.means("log")  # (none when every step of the interval was skipped)
+        means = {**self.means("log"), **self.norms}  # (no means: every step was skipped)
+        self.norms = {}
         if self.lr is not None:
             means["train/lr"] = self.lr
         now, rate = time.perf_counter(), self.steady_rate(step)
@@ -1319,6 +1352,17 @@ class _Meter:
             means["perf/compile_s"], self.compile_shown = self.spent["compile"][0], True
         self.logged, self.t_logged, self.data_logged = step, now, self.spent["data"][0]
         return [(step, means)]
+
+    def check(self, step, norm, state=None):
+        """Raises if the parameters' `norm` (of `state`, before a save) is not finite: a NaN or
+        Inf state is never checkpointed."""
+        if state is not None:
+            norm = float(self.param_norm(state))
+        if not (math.isfinite(norm) or self.skipping):
+            raise FloatingPointError(
+                f"fit: non-finite parameters or gradients (NaN or Inf) at step {step}, in the log "
+                f"interval after step {self.logged}; no checkpoint was written after it. Lower "
+                f"the learning rate, check the data, or pass on_nonfinite='skip'.")
 
     def means(self, part):
         """The means of a part's sums, which then start again. An epoch whose every step was

@@ -87,3 +87,29 @@ def test_batches_are_placed_before_their_step(monkeypatch, tmp_path):
     for n, i in enumerate(steps):
         # when step n is dispatched, batches n+1 and n+2 are already on their way to the device
         assert events[:i].count("put") >= min(n + 3, 10), (n, events)
+
+
+def test_norms_are_computed_at_log_steps_and_saves_only(monkeypatch, tmp_path, one_device_mesh):
+    # #16: grad_norm and param_norm cost a pass over every parameter; they are computed inside
+    # the compiled step at log steps only (and the parameters' norm before each save). Counted at
+    # run time: a debug callback in the norm runs only when its branch of the step runs.
+    import collections
+    import jax
+    import optax
+    runs = []
+    norm = optax.tree.norm
+
+    def counted(tree, *args, **kwargs):
+        jax.debug.callback(lambda: runs.append(1))
+        return norm(tree, *args, **kwargs)
+
+    monkeypatch.setattr(optax.tree, "norm", counted)
+    monkeypatch.setattr(fit_module, "_STEPS", collections.OrderedDict())  # trace afresh
+    logged = []
+    hook = lambda event, run: event == "log" and logged.append(sorted(run.metrics))
+    fit(make_state(MLP()), _data(20), loss_fn=loss_fn, log_every=5, hooks=[hook],
+        mesh=one_device_mesh, workdir=str(tmp_path))
+    jax.effects_barrier()
+    # 4 log steps x (grad_norm + param_norm), and the check before the one save at the end
+    assert len(runs) == 4 * 2 + 1, len(runs)
+    assert all("train/grad_norm" in m and "train/param_norm" in m for m in logged), logged

@@ -536,6 +536,31 @@ def test_nan_in_the_last_batch_of_an_epoch_writes_no_epoch_end_checkpoint(tmp_pa
     assert [s for s, _ in tb_scalars(os.path.join(tmp_path, "logs", "run_1"), "eval/accuracy")] == [10]
 
 
+def poison_at(step):
+    """A train_step whose loss stays finite while the update of `step` makes every parameter
+    NaN: only the check of the parameters can catch it (#16: at log points and before saves)."""
+    def train_step(state, batch):
+        new = state.apply_gradients(grads=jax.tree.map(jnp.zeros_like, state.params))
+        poison = jnp.where(new.step == step, jnp.nan, 1.0)
+        return new.replace(params=jax.tree.map(lambda p: p * poison, new.params)), {"loss": 1.0}
+    return train_step
+
+
+@pytest.mark.parametrize("log_every, ckpt_every, found_at", [(4, 6, 6), (4, 100, 8)])
+def test_non_finite_parameters_are_never_checkpointed(tmp_path, one_device_mesh, log_every,
+                                                      ckpt_every, found_at):
+    # Found before the save of step 6, or at the log point of step 8 (where the norms are taken)
+    with pytest.raises(FloatingPointError, match=rf"non-finite parameters.* at step {found_at}\b"):
+        fit(small_state(), make_batches(), train_step=poison_at(6), num_epochs=1,
+            log_every=log_every, ckpt_every=ckpt_every, mesh=one_device_mesh,
+            workdir=str(tmp_path))
+    ckpt_dir = os.path.join(tmp_path, "checkpoints", "run_1")
+    steps = committed_steps(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    assert all(s < 6 for s in steps), steps
+    for s in steps:
+        assert all_finite(load_ckpt(small_state(), ckpt_dir, s))
+
+
 def small_eval_batches():
     return make_batches(n=2, size=16, seed=1)
 
