@@ -722,3 +722,27 @@ def test_a_second_call_with_the_same_functions_compiles_nothing(digits, tmp_path
     fit(TrainState.create(apply_fn=model.apply, params=var["params"], tx=optax.adam(1e-3)),
         (x[:256], y[:256]), (xt[:64], yt[:64]), **kwargs)
     assert compiles() - start > first
+
+
+def test_a_learning_rate_sweep_through_inject_hyperparams_compiles_once(digits, tmp_path,
+                                                                        one_device_mesh,
+                                                                        compile_log):
+    # #16: the README's sweep. One optax object (tx is static: a new one compiles again), each
+    # run with its own learning rate set in opt_state.hyperparams: only the first run compiles.
+    x, y, _, _ = digits
+    model = MLP()
+    var = model.init(jax.random.key(0), x[:1], train=False)
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    state0 = TrainState.create(apply_fn=model.apply, params=var["params"], tx=tx)
+    start, counts, lrs = compile_log.count(), [], []
+    for lr in (1e-2, 3e-3, 1e-3):
+        hyperparams = {**state0.opt_state.hyperparams, "learning_rate": np.float32(lr)}
+        state = state0.replace(opt_state=state0.opt_state._replace(hyperparams=hyperparams))
+        seen = []
+        fit(state, (x[:256], y[:256]), loss_fn=loss_fn, batch_size=64, log_every=2,
+            mesh=one_device_mesh, workdir=str(tmp_path), log_name=f"lr{lr}",
+            hooks=[lambda event, run: event == "log" and seen.append(run.metrics["train/lr"])])
+        counts.append(compile_log.count() - start)
+        lrs.append(seen[-1])
+    assert counts[0] >= 1 and counts == [counts[0]] * 3, compile_log.shapes()
+    np.testing.assert_allclose(lrs, [1e-2, 3e-3, 1e-3], rtol=1e-6)  # each run used its own
