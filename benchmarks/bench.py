@@ -34,6 +34,12 @@ Figures:
   peak RSS        `ru_maxrss` of the run's own process at its end (fit.py's bytecode is
                   cached first, as a user's Python does at its first import).
 
+The per-step scenario (#16's decision 3; `--diff-models`, tiny MLP by default) runs each method
+twice, for a short and a long number of epochs (`--diff-epochs 1,5`): the per-step cost is the
+difference of the two whole calls over the extra steps, so compile, start-up and the final save
+cancel (fit's `ckpt_interval`, 300 s, is longer than both runs). `fit_nonorm` is fit with its
+log-step norms switched off (benchmark only), to measure what grad_norm and param_norm cost.
+
 The whole-call scenario (CNN by default) trains for about `--whole-seconds` with an eval of a
 small test set every epoch (`--whole-test-size 0`: no test set): fit's whole call with its
 defaults against a hand loop that does the same evals but writes no checkpoints. #14 and #16's
@@ -80,6 +86,8 @@ PAIRS = (("hand", "fit"), ("hand_scan", "fit_scan"))
 STEADY_TARGET = {"cnn": 0.98, "cnn_bn_dropout": 0.98, "mlp": 0.95}
 SCAN_TARGET = {"cnn": 0.97, "cnn_bn_dropout": 0.97}
 WHOLE_TARGET = {"cnn": 0.97, "mlp": 0.95}  # the tiny MLP's call is measured without a test set
+DIFF_TARGET = {"mlp": 0.97}  # per-step speed, hand / fit (differential)
+NORMS_TARGET = 0.98  # fit's per-step speed with its norms / without them (they cost <= 2%)
 SAVE_MS_TARGET = {"cnn": 50.0}
 RSS_TARGET = 1.1
 COMPILE_TARGET = 1.2
@@ -164,6 +172,9 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
     from fit import TrainState, fit
 
     state = TrainState.create(apply_fn=model.apply, params=params, batch_stats=batch_stats, tx=tx)
+    if spec["method"] == "fit_nonorm":  # grad_norm and param_norm off: what do they cost?
+        import jax.numpy as jnp
+        sys.modules["fit"]._log_norm = lambda state, opts, tree: jnp.float32(0)
     workdir = spec["workdir"]
     t0 = time.perf_counter()
     state, history = fit(state, (x, y), test, loss_fn=_loss_fn,
@@ -358,6 +369,10 @@ def main(argv=None):
     parser.add_argument("--whole-test-size", type=int, default=WHOLE_TEST_SIZE,
                         help=f"test examples evaluated every epoch of the whole call (default "
                              f"{WHOLE_TEST_SIZE}; 0: no test set, fit's defaults alone)")
+    parser.add_argument("--diff-models", default="mlp",
+                        help="models of the per-step (differential) scenario; '' skips it")
+    parser.add_argument("--diff-epochs", default="1,5",
+                        help="the short and the long call's epochs of the per-step scenario")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and 2 steps per jitted call: a smoke test (< 2 min)")
     parser.add_argument("--fit", default=os.path.join(ROOT, "fit.py"),
@@ -383,7 +398,8 @@ def main(argv=None):
         report = summarize(old["runs"], list(old["steady"]), {m: {k: w[k] for k in (
             "steps_per_epoch", "epochs", "steps", "rate_used", "test_size") if k in w}
             for m, w in old["whole"].items()},
-            old["repeats"], old["steps_per_jit"], old["machine"], old["args"])
+            old["repeats"], old["steps_per_jit"], old["machine"], old["args"],
+            list(old.get("per_step", {})))
         with open(args.render, "w") as f:
             json.dump(report, f, indent=1)
         with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
@@ -393,7 +409,11 @@ def main(argv=None):
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     whole_models = [m.strip() for m in args.whole_models.split(",") if m.strip()]
-    for m in models + whole_models:
+    diff_models = [m.strip() for m in args.diff_models.split(",") if m.strip()]
+    diff_epochs = [int(e) for e in args.diff_epochs.split(",")]
+    if len(diff_epochs) != 2 or not 0 < diff_epochs[0] < diff_epochs[1]:
+        parser.error(f"--diff-epochs must be two increasing counts, got {args.diff_epochs!r}")
+    for m in models + whole_models + diff_models:
         if m not in DEFAULTS:
             parser.error(f"unknown model {m!r}; choose from {', '.join(DEFAULTS)}")
     k = 2 if args.quick else K
@@ -471,9 +491,20 @@ def main(argv=None):
                              "steps_per_epoch": spe, "epochs": WHOLE_EPOCHS,
                              "test_size": args.whole_test_size, "k": k, "fit_dir": fit_dir})
 
+    # 3. Per-step cost, differential: a short and a long call of each method, in turn.
+    for model in diff_models:
+        spe = sizes[model][1]
+        methods = ("hand", "fit", "fit_nonorm")
+        for r in range(repeats):
+            for method in (methods if r % 2 == 0 else methods[::-1]):
+                for epochs in diff_epochs:
+                    measure({"scenario": "diff", "model": model, "method": method, "repeat": r,
+                             "steps_per_epoch": spe, "epochs": epochs, "test_size": 0, "k": k,
+                             "fit_dir": fit_dir})
+
     info["loadavg_end"] = os.getloadavg()
     info["bench_s"] = time.perf_counter() - t_start
-    report = summarize(runs, models, whole, repeats, k, info, vars(args))
+    report = summarize(runs, models, whole, repeats, k, info, vars(args), diff_models)
     stem = "quick" if args.quick else "latest"
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -486,7 +517,7 @@ def main(argv=None):
           f"{info['bench_s']:.0f} s", flush=True)
 
 
-def summarize(runs, models, whole, repeats, k, info, args):
+def summarize(runs, models, whole, repeats, k, info, args, diff_models=()):
     """Medians per (scenario, model, method), and ratios as medians of within-pair ratios."""
     def pick(scenario, model, method, repeat=None):
         return [r for r in runs if r["scenario"] == scenario and r["model"] == model
@@ -556,9 +587,34 @@ def summarize(runs, models, whole, repeats, k, info, args):
                             "target": [speed, WHOLE_TARGET.get(model), ">=",
                                        verdict(speed, WHOLE_TARGET.get(model), True), spread]}
 
+    per_step = {}
+    for model in diff_models:
+        def cost(method, rep):  # seconds per extra step of the long call over the short one
+            calls = sorted(pick("diff", model, method, rep), key=lambda r: r["epochs"])
+            if len(calls) != 2:
+                return None
+            short, long = calls
+            extra = (long["epochs"] - short["epochs"]) * long["steps_per_epoch"]
+            return (long["wall_s"] - short["wall_s"]) / extra
+
+        def within(a, b):  # cost(b) / cost(a) per repeat: a's speed relative to b's
+            values = [ratio(cost(b, r), cost(a, r)) for r in range(repeats)]
+            values = [v for v in values if v is not None]
+            return median(values), ([min(values), max(values)] if values else None)
+
+        speed, spread = within("fit", "hand")
+        norms, norms_spread = within("fit", "fit_nonorm")
+        ms = {m: median([cost(m, r) for r in range(repeats)]) for m in ("hand", "fit", "fit_nonorm")}
+        per_step[model] = {
+            "ms_per_step": {m: v and 1000 * v for m, v in ms.items()},
+            "target": [speed, DIFF_TARGET.get(model), ">=",
+                       verdict(speed, DIFF_TARGET.get(model), True), spread],
+            "norms_target": [norms, NORMS_TARGET, ">=", verdict(norms, NORMS_TARGET, True),
+                             norms_spread]}
+
     return {"machine": info, "args": {k: v for k, v in args.items() if not k.startswith("worker")},
             "repeats": repeats, "batch_size": BATCH, "steps_per_jit": k,
-            "steady": steady, "whole": whole_out, "runs": runs}
+            "steady": steady, "whole": whole_out, "per_step": per_step, "runs": runs}
 
 
 def _f(value, digits=2, suffix=""):
@@ -642,9 +698,27 @@ def markdown(report):
                          f"| {_f(w['fit_save_ms'], 1)} | {_f(w['fit_eval_s'], 2)} "
                          f"| {_target_cell(w['target'])} |")
         lines.append("")
+    if report.get("per_step"):
+        lines += ["## Per step (differential)", "",
+                  "Each method called twice, for a short and a long run; per-step cost = (long "
+                  "wall - short wall) / extra steps, so compile, start-up and the final save "
+                  "cancel. Ratio = hand cost / fit cost (fit's speed relative to the hand loop), "
+                  "and fit without its norms' cost / fit's (what the log-step norms cost), each "
+                  "the median of within-repeat ratios [their min–max].", "",
+                  "| model | hand ms/step | fit ms/step | fit w/o norms ms/step | fit vs hand "
+                  "(target) | norms kept (target) |", "|---|---|---|---|---|---|"]
+        for model, d in report["per_step"].items():
+            ms = d["ms_per_step"]
+            lines.append(f"| {LABELS[model]} | {_f(ms['hand'], 4)} | {_f(ms['fit'], 4)} | "
+                         f"{_f(ms['fit_nonorm'], 4)} | {_target_cell(d['target'])} | "
+                         f"{_target_cell(d['norms_target'])} |")
+        lines.append("")
     fails = [f"{LABELS[m]} {k}" for m, s in report["steady"].items()
              for k, t in s["targets"].items() if t[3] == "FAIL"]
     fails += [f"{LABELS[m]} whole call" for m, w in report["whole"].items() if w["target"][3] == "FAIL"]
+    fails += [f"{LABELS[m]} {label}" for m, d in report.get("per_step", {}).items()
+              for name, label in (("target", "per step"), ("norms_target", "norms' cost"))
+              if d[name][3] == "FAIL"]
     lines += [f"**Targets failed:** {', '.join(fails)}" if fails else "**All targets passed.**", ""]
     return "\n".join(lines)
 
