@@ -333,7 +333,7 @@ def evaluate(state, ds, eval_step=None, **options):
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     eval_fn, names = _eval_step(state, test, opts, mesh, forward, eval_step)
     eval0 = jax.device_put(np.zeros(2 * len(names) + 1, np.float32), NamedSharding(mesh, P()))
-    steps = _Steps(None, eval_fn, None, eval0, [], [], names, False)
+    steps = _Steps(None, eval_fn, None, None, eval0, [], [], names, False)
     put = functools.partial(_put, mesh, opts.axis_name or "data")
     return _evaluate(steps, test, put, contextlib.nullcontext, state)
 
@@ -932,8 +932,9 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
     again compiles nothing); else new ones. At most 8 are kept."""
     shapes = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))
     key = (opts.train_step, opts.loss_fn, eval_step, forward, opts.lr_fn, opts.axis_name,
-           opts.on_nonfinite, opts.seed, opts.log_every, mesh, shapes(train.spec), test and shapes(test.spec),
-           jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
+           opts.on_nonfinite, opts.seed, opts.log_every, mesh, shapes(train.spec),
+           test and shapes(test.spec), jax.tree.structure(state),
+           tuple(x.sharding for x in jax.tree.leaves(state)))
     reuse = forward is _linen_forward  # (an nnx model's closures hold the model: never kept)
     try:
         hash(key)
@@ -1209,25 +1210,14 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
         got = "None" if optimizer is None else f"{type(optimizer).__name__} (no {missing})"
         raise TypeError(f"{who}: an nnx model needs optimizer=nnx.Optimizer(model, tx, "
                         f"wrt=nnx.Param), got optimizer={got}.")
-    # Plain dicts, not nnx.State: jit flattens the state every call, State twice as slowly. Typed
-    # PRNG keys travel as raw uint32 data, as fit's rng does: orbax restores a key as no key.
+    # Plain dicts, not nnx.State: jit flattens the state every call, State twice as slowly.
     is_state = lambda x: isinstance(x, nnx.State)
     pure = lambda tree: jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x,
                                      nnx.as_pure(tree), is_leaf=is_state)
-    as_data = lambda tree: jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x,
-                                        pure(tree))
     nnx.pop(model, nnx.Intermediate)  # sow()n values are per call outputs, not state to carry
     graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
-    impls = [jax.random.key_impl(x) if _is_key(x) else None for x in jax.tree.leaves(pure(rest))]
-
-    def as_keys(rest):
-        leaves, treedef = jax.tree.flatten(rest)
-        return treedef.unflatten([x if impl is None else jax.random.wrap_key_data(x, impl=impl)
-                                  for x, impl in zip(leaves, impls)])
-
     state = TrainState(step=optimizer.step[...], apply_fn=None, params=pure(params),
-                       tx=optimizer.tx, opt_state=pure(optimizer.opt_state),
-                       batch_stats=as_data(rest))
+                       tx=optimizer.tx, opt_state=pure(optimizer.opt_state), batch_stats=pure(rest))
     try:
         if state.tx is not None:
             jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
@@ -1237,7 +1227,7 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
                          f"({e})") from None
 
     def merged(params, rest, train):
-        model = nnx.merge(graphdef, params, as_keys(rest))
+        model = nnx.merge(graphdef, params, rest)
         model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
         return model
 
@@ -1248,13 +1238,13 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
         else:  # Dropout draws from the model's own Rngs, carried in batch_stats
             out = loss_fn(model(batch[0]), batch[1])
         nnx.pop(model, nnx.Intermediate)
-        return out, as_data(nnx.state(model, nnx.Not(optimizer.wrt)))
+        return out, pure(nnx.state(model, nnx.Not(optimizer.wrt)))
 
     def eval_fn(state, batch):
         return opts.eval_step(merged(state.params, state.batch_stats, False), batch)
 
     def finish(state):
-        nnx.update(model, state.params, as_keys(state.batch_stats))
+        nnx.update(model, state.params, state.batch_stats)
         if state.tx is not None:
             nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
             optimizer.step[...] = state.step
@@ -1521,7 +1511,8 @@ def _restore(mgr, step, state, who, weights_only=False):
     weight = lambda path: not weights_only or name(path).split("/")[0] in ("params", "batch_stats")
     shapes = lambda tree: {name(path): tuple(x.shape) for path, x in
                            jax.tree_util.tree_leaves_with_path(tree) if weight(path)}
-    stored, wanted = shapes(mgr.item_metadata(step)["state"]), shapes(target)
+    metadata = mgr.item_metadata(step)["state"]
+    stored, wanted = shapes(metadata), shapes(target)
     problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
                 + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
                 + [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
@@ -1532,12 +1523,17 @@ def _restore(mgr, step, state, who, weights_only=False):
                          f"this state ({len(problems)} differences, another model or "
                          f"optimizer?):\n  {listed}\nUse the model and optimizer of the run that "
                          f"wrote it, or start a fresh run (resume=False or another log_name).")
-    if weights_only:  # the whole checkpoint as saved (orbax cannot restore a part), then a part
-        out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-        saved = {name(p): x for p, x in jax.tree_util.tree_leaves_with_path(out["state"])}
-        take = lambda path, s: jax.device_put(jnp.asarray(saved[name(path)], s.dtype), s.sharding)
-        return jax.tree_util.tree_map_with_path(
-            lambda path, s: take(path, s) if weight(path) else s, state), None
+    if weights_only:  # the weights where the state has them; the rest (orbax restores no part
+        # alone) onto one device, then dropped
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        saved = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                             metadata.tree, is_leaf=lambda x: hasattr(x, "shape"))
+        weights = {k: getattr(target, k) for k in ("params", "batch_stats")
+                   if k in saved and hasattr(target, k)}
+        out = mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore({**saved, **weights})))["state"]
+        return state.replace(**{k: jax.tree.map(lambda r, s: jnp.asarray(r, s.dtype), out[k],
+                                                getattr(state, k)) for k in weights}), None
     out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                     meta=ocp.args.JsonRestore()))
     as_before = lambda r, s: jax.random.wrap_key_data(r, impl=jax.random.key_impl(s)) if \

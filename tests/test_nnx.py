@@ -126,9 +126,11 @@ def test_trains_on_8_devices_and_writes_back_in_place(data, reference, tmp_path)
     x, y, xt, yt = data
     model, opt, h, seen = reference["model"], reference["opt"], reference["history"], reference["seen"]
     # Hooks see the adapted TrainState of plain dicts: what the optimizer trains in params, every
-    # other variable (BatchNorm statistics, the Rngs' key as raw data and count) in batch_stats.
+    # other variable (BatchNorm statistics, the Rngs' key and count) in batch_stats. (#15: the
+    # key stays a typed key; checkpoints store its key data.)
     assert seen["type"] is TrainState and seen["params"] is dict and seen["batch_stats"] is dict
-    assert seen["tx"] is opt.tx and seen["key_dtype"] == jnp.uint32 and seen["step_dtype"] == jnp.uint32
+    assert seen["tx"] is opt.tx and jnp.issubdtype(seen["key_dtype"], jax.dtypes.prng_key)
+    assert seen["step_dtype"] == jnp.uint32
     for k in ("step", "params/conv/kernel", "params/bn/scale", "params/dense/bias", "batch_stats/bn/mean",
               "batch_stats/bn/var", "batch_stats/drop/rngs/key", "batch_stats/drop/rngs/count",
               "opt_state/hyperparams/learning_rate", "opt_state/inner_state/0/mu/dense/kernel"):
@@ -177,7 +179,7 @@ def test_trains_on_8_devices_and_writes_back_in_place(data, reference, tmp_path)
     assert h2["eval/accuracy"][-1] == pytest.approx(float(metrics["accuracy"]), abs=1e-6)
 
 
-def test_bitwise_the_same_as_a_hand_written_nnx_loop(data, tmp_path, one_device_mesh):
+def test_the_same_as_a_hand_written_nnx_loop(data, tmp_path, one_device_mesh):
     """fit's step is nnx.grad + optimizer.update on a model in train mode whose Dropout draws
     from its own Rngs, one draw per step: a stale key or a model in eval mode would differ."""
     x, y, *_ = data
@@ -198,7 +200,18 @@ def test_bitwise_the_same_as_a_hand_written_nnx_loop(data, tmp_path, one_device_
     for _ in range(2):
         for bx, by in batches:
             step(hand, hand_opt, bx, by)
-    assert_bitwise(everything(model, opt), everything(hand, hand_opt))
+    # Equal to the last rounding: fit computes grad_norm at log steps only (#16), in a lax.cond
+    # that takes the gradients, and XLA then sums some of them in another order (seen: 1 ulp,
+    # 3.7e-9, in Adam's mu of BatchNorm's scale). Integers and keys must match exactly; a stale
+    # key or a model in eval mode would differ by far more.
+    mine, theirs = everything(model, opt), everything(hand, hand_opt)
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        assert mine[k].dtype == theirs[k].dtype, k
+        if np.issubdtype(mine[k].dtype, np.floating):
+            np.testing.assert_allclose(mine[k], theirs[k], rtol=1e-6, atol=1e-8, err_msg=k)
+        else:
+            assert np.array_equal(mine[k], theirs[k]), k
     assert int(model.drop.rngs.count[...]) == 2 * SPE
     assert np.array_equal(np.asarray(jax.random.key_data(model.drop.rngs.key[...])), key)  # the base key stays
 
