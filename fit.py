@@ -1639,9 +1639,11 @@ def _mesh(opts, state):
         if "data" not in mesh.axis_names:
             raise ValueError(f"fit: the state is sharded over a mesh with axes {mesh.axis_names}"
                              f", without a 'data' axis to shard batches over; pass mesh=.")
+    if not opts.axis_name:
+        return mesh  # as given: the mesh that the state's shardings name, axis types and all
     # A model written for pmap calls lax.pmean(..., axis_name): the data axis takes that name.
-    rename = lambda axis: opts.axis_name if axis == "data" and opts.axis_name else axis
-    return Mesh(mesh.devices, tuple(map(rename, mesh.axis_names)))
+    names = tuple(opts.axis_name if axis == "data" else axis for axis in mesh.axis_names)
+    return Mesh(mesh.devices, names, axis_types=mesh.axis_types)
 
 
 def _check_data(train, test, opts, mesh):
