@@ -147,7 +147,6 @@ def _eval_step(state, batch):
 def worker(spec):
     """Runs one method on one model and returns its measurements (a JSON-able dict)."""
     import jax
-    import numpy as np
     import optax
 
     model = _models()[spec["model"]]

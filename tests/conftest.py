@@ -1,6 +1,8 @@
 """Shared test fixtures. Every test process sees 8 simulated CPU devices (set before jax is
 imported); tests that need one device pass `mesh=one_device_mesh`."""
+import logging
 import os
+import re
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -85,3 +87,50 @@ def one_device_mesh():
 def eight_device_mesh():
     assert len(jax.devices()) == 8, "conftest sets 8 simulated devices before jax is imported"
     return Mesh(np.array(jax.devices()), ("data",))
+
+
+class CompileLog(logging.Handler):
+    """The 'Compiling jit(<name>)' lines of jax.log_compiles."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def shapes(self, name="_train_and_accumulate"):
+        return [m for m in self.messages if re.match(rf"Compiling jit\({name}\)", m)]
+
+    def count(self, name="_train_and_accumulate"):
+        return len(self.shapes(name))
+
+
+@pytest.fixture
+def compile_log():
+    handler = CompileLog()
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles():
+            yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+def nnx_arrays(model, optimizer):
+    """Every array an nnx run's result depends on (keys as raw data), by path."""
+    from flax import nnx
+    out = {}
+    for name, node in (("model", model), ("opt", optimizer)):
+        for path, x in jax.tree_util.tree_leaves_with_path(nnx.as_pure(nnx.state(node))):
+            x = jax.random.key_data(x) if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+            out[name + jax.tree_util.keystr(path)] = np.asarray(jax.device_get(x))
+    return out
+
+
+def assert_bitwise(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), (
+            k, np.max(np.abs(a[k] - b[k])))

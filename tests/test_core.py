@@ -2,7 +2,6 @@
 dropout, exact eval, 1 vs 8 devices, compile counts, the caller's state, data inputs, history
 and learning-rate logging. Every fit call writes under pytest's tmp_path."""
 import json
-import logging
 import os
 import re
 import shutil
@@ -345,35 +344,6 @@ def test_one_and_eight_devices_agree(digits, tmp_path, one_device_mesh, eight_de
 
 # ----------------------------------------------------------------------------------------------
 # 7. Compile count
-
-class CompileLog(logging.Handler):
-    """Counts 'Compiling jit(_train_and_accumulate)' lines of jax.log_compiles."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def count(self, name="_train_and_accumulate"):
-        return sum(1 for m in self.messages if re.match(rf"Compiling jit\({name}\)", m))
-
-    def shapes(self, name="_train_and_accumulate"):
-        return [m for m in self.messages if re.match(rf"Compiling jit\({name}\)", m)]
-
-
-@pytest.fixture
-def compile_log():
-    handler = CompileLog()
-    logger = logging.getLogger("jax")
-    logger.addHandler(handler)
-    try:
-        with jax.log_compiles():
-            yield handler
-    finally:
-        logger.removeHandler(handler)
-
 
 def test_one_compile_per_batch_shape(digits, tmp_path, one_device_mesh, compile_log):
     x, y, _, _ = digits          # 1440 = 22 * 64 + 32: two batch shapes

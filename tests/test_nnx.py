@@ -13,7 +13,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from conftest import eval_step as linen_eval_step
-from conftest import loss_fn, make_state
+from conftest import assert_bitwise, loss_fn, make_state, nnx_arrays
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -50,22 +50,6 @@ def nnx_eval_step(model, batch):  # fit hands the model over in eval mode
 def fresh(seed=0, lr=1e-3):
     model = CNN(nnx.Rngs(seed))
     return model, nnx.Optimizer(model, optax.inject_hyperparams(optax.adam)(lr), wrt=nnx.Param)
-
-
-def everything(model, optimizer):
-    """Every array a run's result depends on (keys as raw data), by path."""
-    out = {}
-    for name, node in (("model", model), ("opt", optimizer)):
-        for path, x in jax.tree_util.tree_leaves_with_path(nnx.as_pure(nnx.state(node))):
-            x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-            out[name + jax.tree_util.keystr(path)] = np.asarray(jax.device_get(x))
-    return out
-
-
-def assert_bitwise(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), (k, np.max(np.abs(a[k] - b[k])))
 
 
 def max_diff(a, b):
@@ -111,13 +95,13 @@ def reference(data, tmp_path_factory):
             # The user's objects are only written when fit returns (no tracer leaked into them).
             seen.setdefault("objects", []).append((int(opt.step[...]), int(model.drop.rngs.count[...])))
 
-    before = everything(model, opt)
+    before = nnx_arrays(model, opt)
     flags = (model.drop.deterministic, model.bn.use_running_average)
     out, h = fit.fit(model, (x, y), (xt, yt), optimizer=opt, loss_fn=loss_fn, eval_step=nnx_eval_step,
                      batch_size=BATCH, num_epochs=3, log_every=4, hooks=[spy],
                      workdir=str(tmp_path_factory.mktemp("reference")))
     return dict(model=model, opt=opt, out=out, history=h, seen=seen, flags=flags, before=before,
-                after=everything(model, opt))
+                after=nnx_arrays(model, opt))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,7 +150,7 @@ def test_trains_on_8_devices_and_writes_back_in_place(data, reference, tmp_path)
     # load_ckpt restores it into fresh objects (another seed), in place, and returns the model.
     other, other_opt = fresh(seed=3)
     assert load_ckpt(other, h.ckpt_dir, optimizer=other_opt) is other
-    assert_bitwise(everything(other, other_opt), reference["after"])
+    assert_bitwise(nnx_arrays(other, other_opt), reference["after"])
 
     # A second fit (a fresh run) goes on from the written-back objects. Without eval_step, eval
     # is loss_fn on the model in eval mode.
@@ -204,7 +188,7 @@ def test_the_same_as_a_hand_written_nnx_loop(data, tmp_path, one_device_mesh):
     # that takes the gradients, and XLA then sums some of them in another order (seen: 1 ulp,
     # 3.7e-9, in Adam's mu of BatchNorm's scale). Integers and keys must match exactly; a stale
     # key or a model in eval mode would differ by far more.
-    mine, theirs = everything(model, opt), everything(hand, hand_opt)
+    mine, theirs = nnx_arrays(model, opt), nnx_arrays(hand, hand_opt)
     assert mine.keys() == theirs.keys()
     for k in mine:
         assert mine[k].dtype == theirs[k].dtype, k
@@ -233,7 +217,7 @@ def test_resume_is_bitwise_exact_at_an_epoch_boundary_and_mid_epoch(data, refere
     assert h2.timing["compile_count"] == 1  # the restored state hits the same compilation
     third, third_opt = fresh(seed=2)
     _, h3 = fit.fit(third, (x, y), (xt, yt), optimizer=third_opt, num_epochs=3, resume=True, **common)
-    assert_bitwise(everything(third, third_opt), reference["after"])
+    assert_bitwise(nnx_arrays(third, third_opt), reference["after"])
     assert h3.timing["compile_count"] == 1
     # (run 2's max_steps ended it with an eval at step 13, which the history keeps)
     evals = [a for a, s in zip(h3["eval/accuracy"], h3["eval/step"]) if s != 13]
@@ -246,7 +230,7 @@ def test_steps_per_jit_and_state_sharding_match_single_replicated_steps(data, re
     scan, scan_opt = fresh()
     fit.fit(scan, (x, y), optimizer=scan_opt, steps_per_jit=4, workdir=str(tmp_path / "scan"), **common)
     assert int(scan_opt.step[...]) == 3 * SPE
-    assert max_diff(everything(scan, scan_opt), reference["after"]) < 1e-4
+    assert max_diff(nnx_arrays(scan, scan_opt), reference["after"]) < 1e-4
     # state_sharding= (here a function of the adapted state) lays out its leaves; the written-back
     # kernel keeps that layout.
     sharded, sharded_opt = fresh()
@@ -254,7 +238,7 @@ def test_steps_per_jit_and_state_sharding_match_single_replicated_steps(data, re
     fit.fit(sharded, (x, y), optimizer=sharded_opt, state_sharding=spec, workdir=str(tmp_path / "sharded"),
             **common)
     assert sharded.dense.kernel[...].sharding.spec == P("data")
-    assert max_diff(everything(sharded, sharded_opt), reference["after"]) < 1e-4
+    assert max_diff(nnx_arrays(sharded, sharded_opt), reference["after"]) < 1e-4
 
 
 def test_on_nonfinite_skip_drops_the_update(data, tmp_path):
@@ -265,7 +249,7 @@ def test_on_nonfinite_skip_drops_the_update(data, tmp_path):
     _, h = fit.fit(model, batches, optimizer=opt, loss_fn=loss_fn, on_nonfinite="skip",
                    workdir=str(tmp_path))
     assert h["train/skipped_steps"] == [1]
-    assert all(np.isfinite(v).all() for v in everything(model, opt).values() if v.dtype.kind == "f")
+    assert all(np.isfinite(v).all() for v in nnx_arrays(model, opt).values() if v.dtype.kind == "f")
     # The skipped update kept the old parameters, optimizer state and Rngs; fit's step counts on.
     assert int(opt.opt_state.inner_state[0].count[...]) == SPE - 1
     assert int(model.drop.rngs.count[...]) == SPE - 1
@@ -284,7 +268,7 @@ def test_early_stopping_writes_the_best_state_into_the_model(data, tmp_path):
     assert int(opt.step[...]) == h["eval/step"][best]
     restored = fresh(seed=5)
     load_ckpt(restored[0], h.ckpt_dir, "best", optimizer=restored[1])
-    assert_bitwise(everything(model, opt), everything(*restored))
+    assert_bitwise(nnx_arrays(model, opt), nnx_arrays(*restored))
 
 
 def test_a_model_without_batchnorm_or_dropout_in_an_nnx_list(data, tmp_path):
@@ -306,7 +290,7 @@ def test_a_model_without_batchnorm_or_dropout_in_an_nnx_list(data, tmp_path):
     again = MLP(nnx.Rngs(1))
     again_opt = nnx.Optimizer(again, optax.adam(1e-2), wrt=nnx.Param)
     fit.fit(again, (x, y), (xt, yt), optimizer=again_opt, resume=True, **common)
-    assert_bitwise(everything(again, again_opt), everything(model, opt))
+    assert_bitwise(nnx_arrays(again, again_opt), nnx_arrays(model, opt))
 
 
 def test_a_wrt_filter_trains_only_those_params(data, tmp_path):

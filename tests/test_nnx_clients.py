@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from conftest import assert_bitwise, nnx_arrays
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fit
@@ -55,23 +56,6 @@ def eval_step(model, batch):  # the model in eval mode: Dropout off, no rngs nee
 def fresh(seed=0, lr=3e-3):
     model = TutorialCNN(rngs=nnx.Rngs(seed))
     return model, nnx.Optimizer(model, optax.adam(lr), wrt=nnx.Param)
-
-
-def everything(model, optimizer):
-    """Every array a run's result depends on (keys as raw data), by path."""
-    out = {}
-    for name, node in (("model", model), ("opt", optimizer)):
-        for path, x in jax.tree_util.tree_leaves_with_path(nnx.as_pure(nnx.state(node))):
-            x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-            out[name + jax.tree_util.keystr(path)] = np.asarray(jax.device_get(x))
-    return out
-
-
-def assert_bitwise(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), (
-            k, np.max(np.abs(a[k] - b[k])))
 
 
 def stop_at(step):
@@ -118,9 +102,9 @@ def test_the_tutorial_cnn_stopped_and_resumed_is_bitwise_the_uninterrupted_run(d
     common = dict(nnx_loss_fn=nnx_loss_fn, batch_size=32, log_every=1, workdir=str(tmp_path),
                   **QUIET)
     model, opt = fresh()
-    before = everything(model, opt)
+    before = nnx_arrays(model, opt)
     fit.fit(model, (x, y), optimizer=opt, num_epochs=2, log_name="full", **common)
-    full = everything(model, opt)
+    full = nnx_arrays(model, opt)
     assert int(opt.step[...]) == 16
     kernel = "model['hidden']['kernel']"
     assert not np.array_equal(before[kernel], full[kernel])
@@ -128,7 +112,7 @@ def test_the_tutorial_cnn_stopped_and_resumed_is_bitwise_the_uninterrupted_run(d
     # The same run again, fresh objects, same seeds: the same bits (nothing else is random).
     again, again_opt = fresh()
     fit.fit(again, (x, y), optimizer=again_opt, num_epochs=2, log_name="again", **common)
-    assert_bitwise(everything(again, again_opt), full)
+    assert_bitwise(nnx_arrays(again, again_opt), full)
 
     # Stopped by a hook mid-epoch (a hook's stop is final, README: the continuation asks for
     # more epochs), then resumed with resume=True into fresh objects.
@@ -140,12 +124,12 @@ def test_the_tutorial_cnn_stopped_and_resumed_is_bitwise_the_uninterrupted_run(d
     _, h = fit.fit(rest, (x, y), optimizer=rest_opt, num_epochs=2, log_name="part", resume=True,
                    **common)
     assert h.run == "part_1" and int(rest_opt.step[...]) == 16
-    assert_bitwise(everything(rest, rest_opt), full)
+    assert_bitwise(nnx_arrays(rest, rest_opt), full)
 
     # Another seed draws other dropout masks: the key really comes from fit's seed.
     other, other_opt = fresh()
     fit.fit(other, (x, y), optimizer=other_opt, num_epochs=2, log_name="other", seed=1, **common)
-    after = everything(other, other_opt)
+    after = nnx_arrays(other, other_opt)
     assert not np.array_equal(after[kernel], full[kernel])
 
 
