@@ -314,7 +314,10 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
         placed = _place_state(state, 0, replicated)
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
-        return _restore(mgr, step, placed, "load_ckpt", weights_only)[0]
+        restored = _restore(mgr, step, placed, "load_ckpt", weights_only)[0]
+        if weights_only and hasattr(state, "rng"):  # (placing filled a None rng, from seed 0)
+            restored = restored.replace(rng=state.rng)
+        return restored
     finally:
         mgr.close()
 
@@ -1061,8 +1064,9 @@ def _default_train_step(forward, loss_fn, opts):
         if axis_name:
             grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis_name)
         stats = {"batch_stats": batch_stats} if hasattr(state, "batch_stats") else {}
+        grad_norm = _log_norm(state, opts, grads)  # (before the update: its step decides)
         state = state.apply_gradients(grads=grads, **stats)
-        return state, {"loss": loss, **metrics, "grad_norm": _log_norm(state, opts, grads)}
+        return state, {"loss": loss, **metrics, "grad_norm": grad_norm}
     return train_step
 
 
@@ -1523,6 +1527,8 @@ def _restore(mgr, step, state, who, weights_only=False):
                          f"this state ({len(problems)} differences, another model or "
                          f"optimizer?):\n  {listed}\nUse the model and optimizer of the run that "
                          f"wrote it, or start a fresh run (resume=False or another log_name).")
+    as_before = lambda r, s: jax.random.wrap_key_data(r, impl=jax.random.key_impl(s)) if \
+        _is_key(s) else jnp.asarray(r, s.dtype)
     if weights_only:  # the weights where the state has them; the rest (orbax restores no part
         # alone) onto one device, then dropped
         one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -1532,12 +1538,10 @@ def _restore(mgr, step, state, who, weights_only=False):
                    if k in saved and hasattr(target, k)}
         out = mgr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore({**saved, **weights})))["state"]
-        return state.replace(**{k: jax.tree.map(lambda r, s: jnp.asarray(r, s.dtype), out[k],
-                                                getattr(state, k)) for k in weights}), None
+        return state.replace(**{k: jax.tree.map(as_before, out[k], getattr(state, k))
+                                for k in weights}), None
     out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                     meta=ocp.args.JsonRestore()))
-    as_before = lambda r, s: jax.random.wrap_key_data(r, impl=jax.random.key_impl(s)) if \
-        _is_key(s) else jnp.asarray(r, s.dtype)
     return jax.tree.map(as_before, out["state"], state), out["meta"]
 
 

@@ -150,6 +150,38 @@ def test_model_and_optimizer_is_an_optimizer(digits, tmp_path):
     assert np.abs(np.asarray(opt.opt_state[0].mu["hidden"]["kernel"][...])).max() > 0
 
 
+class OwnRngsMLP(nnx.Module):
+    """A Dropout with Rngs of its own: the model's state holds typed keys beside its weights."""
+
+    def __init__(self, seed):
+        rngs = nnx.Rngs(seed)
+        self.hidden = nnx.Linear(64, 32, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.out = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.hidden(x.reshape(x.shape[0], -1)))))
+
+
+def test_weights_only_load_of_a_model_with_rngs(digits, tmp_path):
+    x, y, _, _ = digits
+    model = OwnRngsMLP(0)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    loss = lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
+        logits, labels).mean()
+    _, h = fit.fit(model, (x[:256], y[:256]), optimizer=opt, loss_fn=loss, batch_size=32,
+                   workdir=str(tmp_path), **QUIET)
+    weights = lambda m: [np.asarray(x) for x in jax.tree.leaves(nnx.state(m, nnx.Param))]
+    for tx in (optax.sgd(0.1), None):  # into another optimizer, and into a bare model
+        other = OwnRngsMLP(1)
+        other_opt = tx and nnx.Optimizer(other, tx, wrt=nnx.Param)
+        assert not np.array_equal(weights(other)[0], weights(model)[0])
+        fit.load_ckpt(other, h.ckpt_dir, weights_only=True, optimizer=other_opt)
+        for a, b in zip(weights(other), weights(model), strict=True):
+            assert np.array_equal(a, b)
+        assert other_opt is None or int(other_opt.step[...]) == 0
+
+
 class NotAnOptimizer:
     """Has tx, step and wrt, but no opt_state; its repr is the whole model's, like nnx objects."""
 

@@ -413,6 +413,7 @@ def test_load_best_weights_only_into_another_optimizer(tmp_path, one_device_mesh
     for a, b in zip(jax.tree.leaves(loaded.opt_state), jax.tree.leaves(sgd_state.opt_state)):
         assert np.array_equal(a, b)
     assert int(jax.device_get(loaded.step)) == 0  # the rest of the state stays as it was
+    assert sgd_state.rng is None and loaded.rng is None  # (not a key fit made up from seed 0)
     assert loaded.tx is sgd_state.tx
     # It trains on with its own optimizer.
     more, _ = fit(loaded, train, loss_fn=lm_loss_fn, mesh=one_device_mesh, log_name="tune",
