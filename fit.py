@@ -249,10 +249,10 @@ def fit(state, train_ds, test_ds=None, **options):
                     state = meter.train(steps, state, batch, k)
                     step += k
                     logged = meter.read(step, plan.due("log", step, k))
-                    run.log(state, step, epoch, logged, ckpts.overdue)
+                    run.log(state, step, epoch, logged, ckpts.overdue, signals.asked)
                     if plan.due("eval", step, k):
                         run.evaluate(state, step, epoch, evaluate(state))
-                    run.stopping = run.stopping or signals.reason or ckpts.preempted(step)
+                    run.stopping = run.stopping or signals.reason or ckpts.preempted()
                     if last or run.stopping or plan.done(epoch, step):
                         break  # (the save of this step comes after the epoch's end, if any)
                     if run.save or plan.due("ckpt", step, k):
@@ -523,11 +523,13 @@ class _Run:
         self.event = self.step = self.epoch = self.state = None
         self.metrics, self.latest, self.last_eval = {}, {}, None
 
-    def call(self, event, state, step, epoch, metrics=None, save=False):
+    def call(self, event, state, step, epoch, metrics=None, save=False, stop=None):
         """Calls every hook with (event, run), then takes what they asked for. With several
-        processes, process 0's requests are broadcast, so that every process agrees."""
+        processes, a stop or save that any process asks for (a hook, a signal: `stop`) holds
+        for all, so that every process agrees on what comes next."""
         self.event, self.state, self.step, self.epoch = event, state, step, epoch
         self.metrics, self.stop, self.save = metrics or {}, False, self.save or save
+        self.stopping = self.stopping or stop
         self.latest.update({k: (v, step) for k, v in self.metrics.items()})
         for i, hook in enumerate(self.hooks):
             hook(event, self)
@@ -535,17 +537,22 @@ class _Run:
                 self.stopping = getattr(hook, "__name__", type(hook).__name__)
             if event == "train_start" and str(i) in self.hook_states and hasattr(hook, "set_state"):
                 hook.set_state(self.hook_states[str(i)])  # what it had at the checkpoint
-        if jax.process_count() > 1 and event != "train_end":
-            flags = np.array([bool(self.stopping), self.save], np.int32)  # process 0's, for all
-            stop, self.save = (bool(v) for v in multihost_utils.broadcast_one_to_all(flags))
-            self.stopping = self.stopping or ("a hook on process 0" if stop else None)
+        if jax.process_count() > 1 and event != "train_end":  # (a collective all reach)
+            # Every process saves the same: a hook's stop (final) outranks a signal's (resumable).
+            kind = 0 if not self.stopping else 1 if self.stopping in _SIGNALS else 2
+            flags = np.array([kind, self.save], np.int32)
+            most, save = multihost_utils.process_allgather(flags).max(0)
+            self.save = bool(save)
+            if most > kind:
+                self.stopping = "SIGINT" if most == 1 else "a hook on another process"
         return self.state
 
-    def log(self, state, step, epoch, logged, overdue=lambda: False):
+    def log(self, state, step, epoch, logged, overdue=lambda: False, stop=None):
         """The log events of the intervals `_Meter.read` returned; the wall-time checkpoint
-        schedule (`overdue`) is decided here, at log points only."""
+        schedule (`overdue`) and a signal's stop on one of several processes (`stop`) are
+        decided here, at log points only."""
         for at, metrics in logged:
-            self.call("log", state, at, epoch, metrics, save=overdue())
+            self.call("log", state, at, epoch, metrics, save=overdue(), stop=stop)
 
     def evaluate(self, state, step, epoch, results):
         self.last_eval = step
@@ -1412,7 +1419,7 @@ class _Checkpoints:
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
         self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, opts.max_to_keep
         self.interval, self.last_time, self.seed = opts.ckpt_interval, time.monotonic(), opts.seed
-        self.mgr, self.saved, self.good = None, None, None
+        self.mgr, self.saved, self.good, self.calls = None, None, None, 0
 
     def restore(self, state):
         """The state and meta of the run's latest checkpoint, or the state as given."""
@@ -1454,9 +1461,12 @@ class _Checkpoints:
             self.wait()  # returns at once; raises a finished save's error
         return time.monotonic() - self.last_time >= self.interval
 
-    def preempted(self, step):
-        if jax.process_count() > 1 and self.mgr.reached_preemption(step):
-            return "preemption"  # JAX's notifier picked this step for every process
+    def preempted(self):
+        """Whether JAX's preemption notifier picked this loop iteration for every process. It
+        counts calls, not steps: with steps_per_jit the step jumps over the one it picks."""
+        self.calls += 1
+        if jax.process_count() > 1 and self.mgr.reached_preemption(self.calls):
+            return "preemption"
 
     def save(self, step, state, meta, value):
         self.wait()  # the previous save commits first (orbax would wait here too)
@@ -1579,10 +1589,11 @@ def _pick_run(workdir, log_name, resume):
 class _Signals:
     """Why the run must stop: the first SIGINT/SIGTERM stops it after the step (a second SIGINT
     at once). No handler off the main thread, nor for SIGTERM with several processes: JAX's
-    preemption notifier owns it, and orbax's `reached_preemption` tells all processes."""
+    preemption notifier owns it, and orbax's `reached_preemption` tells all processes. Without
+    that notifier, a signal to one of several processes stops all at the next log point."""
 
     def __init__(self):
-        self.reason, self.previous, self.forwarded = None, {}, False
+        self.reason, self.asked, self.previous, self.forwarded = None, None, {}, False
 
     def __enter__(self):
         sigs = [signal.SIGINT] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
@@ -1591,15 +1602,17 @@ class _Signals:
         return self
 
     def _handle(self, sig, frame):
-        if (self.reason or self.forwarded) and sig == signal.SIGINT:
+        if (self.reason or self.asked or self.forwarded) and sig == signal.SIGINT:
             raise KeyboardInterrupt
-        if jax.process_count() > 1 and jax.config.jax_enable_preemption_service:
-            # Stopping here alone would leave the other processes waiting in the next
-            # collective: JAX's preemption notifier (which owns SIGTERM) picks one step for all.
+        # With several processes, stopping here alone would leave the others waiting in the
+        # next collective.
+        if jax.process_count() == 1:
+            self.reason = signal.Signals(sig).name
+        elif jax.config.jax_enable_preemption_service:  # it picks one step for all
             self.forwarded = True
             signal.raise_signal(signal.SIGTERM)
-            return
-        self.reason = signal.Signals(sig).name
+        else:  # asked of every process at the next log point (_Run.call)
+            self.asked = signal.Signals(sig).name
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():

@@ -20,7 +20,9 @@ one `jax.distributed.initialize` for all of them), each with its own workdir `WO
 - `small`:   global batches of 4 on 4 devices: 2 rows per process, 1 per device.
 - `fewer`:   process 1 has one train batch fewer than process 0 (must fail clearly, not hang).
 - `shape`:   process 1's local batches have 4 rows where process 0's have 8 (must fail clearly).
-- `preempt`: a long run (500 epochs), to be stopped by a signal the parent sends.
+- `preempt`: a long run (500 epochs, steps_per_jit=2), to be stopped by a signal the parent
+             sends; `preempt_local` the same, with JAX's preemption service off (for the group).
+- `hookstop`: a long run that a hook on process 1 alone stops, at its log point of step 4.
 
 Per scenario the child writes `OUTDIR/<name>_<pid>.json` (run names and dirs, this process's
 pid, how many SummaryWriters it opened, the final step, the history, or the exception's type
@@ -115,6 +117,11 @@ def progress(event, run):
         print("LOG" if event == "log" else "END", run.step, flush=True)
 
 
+def stop_on_process_1(event, run):
+    if event == "log" and run.step >= 4 and jax.process_index() == 1:
+        run.stop = True
+
+
 def flat(state):
     leaves = jax.tree.leaves(jax.device_get((state.params, state.batch_stats)))
     return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in leaves])
@@ -130,8 +137,10 @@ def run_scenario(scenario, pid, nproc, workdir, outdir, writers):
         train, test = data(scenario, pid, nproc)
         kw = dict(loss_fn=loss_fn, eval_step=eval_step, num_epochs=2, log_every=3, hooks=[progress],
                   workdir=os.path.join(workdir, scenario), log_name="mh", hparams={"scenario": scenario})
-        if scenario == "preempt":
-            kw.update(num_epochs=500, log_every=1)
+        if scenario.startswith("preempt"):
+            kw.update(num_epochs=500, log_every=2, steps_per_jit=2)  # (step jumps by 2)
+        if scenario == "hookstop":
+            kw.update(num_epochs=500, log_every=1, hooks=[progress, stop_on_process_1])
         if scenario == "resume":
             kw.update(steps_per_jit=2)
             _, first = fit(make_state(), train, test, max_steps=5, **kw)
@@ -156,6 +165,8 @@ def run_scenario(scenario, pid, nproc, workdir, outdir, writers):
 def main(scenarios, pid, nproc, port, workdir, outdir):
     if nproc > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if any(s.endswith("_local") for s in scenarios):
+            jax.config.update("jax_enable_preemption_service", False)
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
                                    initialization_timeout=120)
     import fit

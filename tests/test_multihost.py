@@ -46,10 +46,13 @@ GROUPS = {
     "shape": (["shape"], 2, 120),
     "preempt": (["preempt"], 2, 300),
     "sigint": (["preempt"], 2, 120),
+    "local": (["preempt_local"], 2, 120),  # JAX's preemption service off
+    "hookstop": (["hookstop"], 2, 120),
 }
 TRIGGERS = {  # group: (process, step, signal): sent once that process logs that step
     "preempt": (1, 3, signal.SIGTERM),  # a scheduler preempts one host
     "sigint": (0, 3, signal.SIGINT),  # Ctrl-C in the terminal of process 0, the one with the bar
+    "local": (1, 3, signal.SIGINT),  # Ctrl-C to process 1, with no preemption notifier to tell
 }
 NEEDS = {  # test -> the groups it reads, so a -k selection starts only those
     "test_two_processes_match_one_process": ["pair", "ref"],
@@ -58,6 +61,8 @@ NEEDS = {  # test -> the groups it reads, so a -k selection starts only those
     "test_resume_across_processes": ["pair", "ref"],
     "test_sigterm_to_one_process_stops_all_at_one_step": ["preempt"],
     "test_sigint_to_process_0_stops_all_at_one_step": ["sigint"],
+    "test_sigint_to_process_1_without_the_preemption_service_stops_all_at_one_step": ["local"],
+    "test_a_hook_that_stops_on_process_1_alone_stops_all_at_one_step": ["hookstop"],
     "test_ragged_last_batch_is_global": ["pair", "ref"],
     "test_batch_smaller_than_device_count": ["pair", "ref"],
     "test_fewer_batches_on_one_process_fails_clearly": ["fewer"],
@@ -281,21 +286,22 @@ def test_resume_across_processes(groups):
     assert results[0]["history"]["eval/step"] == [5, 8, 16]
 
 
-def _assert_stopped_together(group):
+def _assert_stopped_together(group, scenario="preempt"):
     """Every process stopped at one step, saved it together and exited alike; returns the
     exit statuses and the step."""
     codes = group.finish()
-    assert group.signalled is not None, ("no signal sent: the trigger step was never logged", codes,
-                                         group.stderr(group.trigger[0], 3000))
+    assert group.trigger is None or group.signalled is not None, (
+        "no signal sent: the trigger step was never logged", codes,
+        group.stderr(group.trigger[0], 3000))
     assert not group.timed_out, (f"the processes were still running at the deadline, well after "
-                                 f"the signal, and were killed; stderr tails:\n"
+                                 f"the stop, and were killed; stderr tails:\n"
                                  f"{group.stderr(0, 1500)}\n{group.stderr(1, 1500)}")
     ends = [[int(line.split()[1]) for line in lines if line.startswith("END")] for lines in group.lines]
     assert len(ends[0]) == 1 and ends[0] == ends[1], (codes, ends)
     assert codes[0] == codes[1], codes
     step = ends[0][0]
-    assert step >= group.signalled
-    ckpt_dir = os.path.join(group.dir, "work", "preempt", "checkpoints", "mh_1")
+    assert step >= (group.signalled or 0)
+    ckpt_dir = os.path.join(group.dir, "work", scenario, "checkpoints", "mh_1")
     assert max(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) == step
     return codes, step
 
@@ -351,6 +357,28 @@ def test_different_batch_shapes_fail_clearly(groups):
 
 def test_sigint_to_process_0_stops_all_at_one_step(groups):
     _assert_stopped_together(groups["sigint"])
+
+
+def test_sigint_to_process_1_without_the_preemption_service_stops_all_at_one_step(groups):
+    """Without JAX's preemption notifier, a Ctrl-C reaches process 1 alone: it asks every process
+    to stop at the next log point, where they agree; the stop stays resumable on all."""
+    group = groups["local"]
+    codes, step = _assert_stopped_together(group, "preempt_local")
+    assert codes == [0, 0], (codes, group.stderr(0, 2000), group.stderr(1, 2000))
+    for result in group.results("preempt_local"):
+        assert result["history"]["stopped"] == [f"SIGINT at step {step}"], result["history"]
+
+
+def test_a_hook_that_stops_on_process_1_alone_stops_all_at_one_step(groups):
+    """A hook that stops on one process (its own data, its own clock) stops every process at the
+    same step, and that stop is final on all (process 0 writes the checkpoint's record)."""
+    group = groups["hookstop"]
+    codes, step = _assert_stopped_together(group, "hookstop")
+    assert codes == [0, 0], (codes, group.stderr(0, 2000), group.stderr(1, 2000))
+    assert step >= 4
+    stopped = [r["history"]["stopped"] for r in group.results("hookstop")]
+    assert stopped == [[f"a hook on another process at step {step}"],
+                       [f"stop_on_process_1 at step {step}"]], stopped
 
 
 def test_hparams_log_the_global_batch_size(groups):
