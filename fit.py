@@ -1540,8 +1540,8 @@ def _restore(mgr, step, state, who, weights_only=False):
     as_before = lambda r, s: jax.random.wrap_key_data(r, impl=jax.random.key_impl(s)) if \
         _is_key(s) else jnp.asarray(r, s.dtype)
     if weights_only:  # the weights where the state has them; the rest (orbax restores no part
-        # alone) onto one device, then dropped
-        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        # alone) into host memory (JAX's CPU device, there beside any accelerator), then dropped
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
         saved = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
                              metadata.tree, is_leaf=lambda x: hasattr(x, "shape"))
         weights = {k: getattr(target, k) for k in ("params", "batch_stats")
