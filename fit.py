@@ -1148,7 +1148,9 @@ def _train_and_accumulate(step_fn, names, lr_of, opts, state, acc, batch):
     lr = acc["lr"] if lr_of is None else jnp.asarray(lr_of(new_state), jnp.float32)
     first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
     count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
-    norms = jnp.where(_at_log(state, opts), jnp.append(norms, 1.0), acc["norms"])  # (1: set)
+    # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
+    norms = jnp.where(_at_log(state, opts) & (finite | (not skip)), jnp.append(norms, 1.0),
+                      acc["norms"])
     return new_state, {"sum": acc["sum"] + values, "count": count.astype(jnp.int32), "lr": lr,
                        "norms": norms}
 

@@ -594,6 +594,10 @@ def test_on_nonfinite_skip_logs_no_fake_zero_loss(tmp_path, one_device_mesh):
     assert set(range(1, 31)) - skipped <= set(shown), sorted(shown)
     assert all(shown[s] > 0 for s in set(range(1, 31)) - skipped), shown
     assert all(np.isnan(shown[s]) for s in skipped if s in shown), shown
+    # A dropped update's norms are not those of the parameters kept: none is logged there.
+    norms = dict(tb_scalars(history.log_dir, "train/param_norm"))
+    assert not skipped & set(norms) and set(norms) == set(range(1, 31)) - skipped, sorted(norms)
+    assert all(np.isfinite(v) for v in norms.values()), norms
 
 
 def test_on_nonfinite_skip_then_resume_counts_steps_like_an_uninterrupted_run(tmp_path, one_device_mesh):
