@@ -227,8 +227,11 @@ def fit(state, train_ds, test_ds=None, **options):
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
         return finish(run.end(state, step, epoch)), run.history
-    _say(verbose, f"fit: {'resuming' if step else 'starting'} run {ckpts.run!r} at step {step} on "
-                  f"{mesh.size} device(s); tensorboard --logdir {os.path.dirname(ckpts.log_dir)}")
+    _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
+                  f"{step} on {mesh.size} device(s); tensorboard --logdir "
+                  f"{os.path.dirname(ckpts.log_dir)}")
+    if position[0] and run.history["step"][-1:] == [step]:  # max_steps cut this epoch short:
+        run.history.reopen_epoch()  # it goes on now, and its whole row comes at its end
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one step late, when the device has finished them.
@@ -347,6 +350,13 @@ class History(dict):
     (seconds spent compiling, evaluating and saving, and the steady rate without them)."""
     run = log_dir = ckpt_dir = timing = None
 
+    def reopen_epoch(self):
+        """Drops the last epoch's row (not its evals), for a resumed run that goes on with it."""
+        rows = len(self["step"])
+        for name in [k for k in self if k in ("epoch", "step") or k.startswith("train/")]:
+            if len(self[name]) == rows:
+                self[name].pop()
+
 
 class EarlyStopping:
     """A hook that stops when fit's `monitor` (the metric that picks the best checkpoint) has not
@@ -432,7 +442,7 @@ class ProgressBar:
                                        "[{elapsed}{postfix}]")
         elif event == "train_end" and self.bar is not None:
             self.bar.close()
-        if self.bar is not None and event in ("train_start", "log"):
+        if self.bar is not None and event in ("train_start", "log", "eval"):
             self._show_bar(run)
 
     def _show_bar(self, run):
@@ -602,7 +612,7 @@ def _end_epoch(run, meter, plan, evaluate, overdue, state, step, epoch, complete
     """An epoch's end: its last log interval, its means in the history, the epoch_end hooks,
     then an eval if one is due. `complete=False`: max_steps ended the run inside the epoch."""
     run.log(state, step, epoch, meter.read(step, log_due=True, sync=True), overdue)
-    row = meter.means("epoch")
+    row = meter.means("epoch", reset=complete)  # (a cut epoch's sums go on after a resume)
     for name, value in [("epoch", epoch + 1), ("step", step), *row.items()]:
         run.history.setdefault(name, []).append(value)
     if plan.monitor.startswith("train/"):
@@ -727,7 +737,8 @@ class _Data:
             if not self.keys or not set(self.keys) <= set(batch):
                 raise TypeError(f"fit: {self.name} yields dicts with keys {sorted(batch)}; name "
                                 f"the inputs and targets with batch_keys=(inputs_key, targets_"
-                                f"key) (got {self.keys}), or pass your own train/eval_step.")
+                                f"key) (got {self.keys}), or pass your own train/eval_step "
+                                f"(nnx_loss_fn for an nnx model).")
             batch = (batch[self.keys[0]], batch[self.keys[1]])
         if not self.custom and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             length = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
@@ -787,7 +798,7 @@ class _Data:
             else:
                 for _ in range(skip):  # (not islice: that would hide get_state)
                     next(iterator, None)
-        for raw in iter(lambda: next(iterator, None), None):
+        for raw in iterator:
             yield raw, _position(iterator)
 
 
@@ -974,15 +985,17 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
     user's step is traced once (jax.eval_shape) for its metric names, before any compile, and
     jitted on its own so that the real call reuses that trace (a model's trace costs 0.1-0.2 s)."""
     replicated = NamedSharding(mesh, P())
-    who = "train_step" if opts.train_step else "loss_fn"
+    who = "train_step" if opts.train_step else _loss_name(opts)
     step_fn = opts.train_step or _default_train_step(forward, opts.loss_fn, opts)
     if opts.train_step and _takes_three(opts.train_step):  # train_step(state, batch, rng)
         step_fn = lambda state, batch: opts.train_step(state, batch, _step_key(state, opts.seed))
     if opts.axis_name:  # the step runs per device; the default step averages over the devices
         step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(opts.axis_name)),
                                 out_specs=(P(), P()), check_vma=False)
-    step_fn = jax.jit(step_fn)
-    traced = _metric_names(_trace(step_fn, state, train.spec, opts)[1], who, "loss")
+    step_fn = jax.jit(_under(mesh, step_fn))
+    fix = None if opts.train_step else ("train_step(state, batch) -> (state, metrics) and "
+                                        "eval_step(state, batch)")
+    traced = _metric_names(_trace(step_fn, state, train.spec, opts, fix)[1], who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
     # The learning rate a step used, read from the state after it: lr_fn of the step's number,
@@ -1021,12 +1034,13 @@ def _eval_step(state, test, opts, mesh, forward, eval_step):
     def loss_eval(state, batch):  # without an eval_step: loss_fn's, in inference mode
         out, _ = forward(opts.loss_fn, state, state.params, batch, _step_key(state, opts.seed),
                          False)
-        loss, metrics = _split_loss(out)
+        loss, metrics = _split_loss(out, _loss_name(opts))
         return {"loss": loss, **metrics}
 
-    inner = jax.jit(eval_step or loss_eval)
-    who = "eval_step" if eval_step else "loss_fn"
-    names = _metric_names(_trace(inner, state, test.spec, opts), who, "accuracy")
+    inner = jax.jit(_under(mesh, eval_step or loss_eval))
+    who = "eval_step" if eval_step else _loss_name(opts)
+    names = _metric_names(_trace(inner, state, test.spec, opts, None if eval_step else
+                                 "eval_step(state, batch)"), who, "accuracy")
 
     def _eval_and_accumulate(state, acc, batch):  # totals, weights, batches
         n = jax.tree.leaves(batch)[0].shape[0]
@@ -1034,6 +1048,17 @@ def _eval_step(state, test, opts, mesh, forward, eval_step):
         return acc + jnp.append(_totals_and_weights([metrics[k] for k in names], n).ravel(), 1.0)
 
     return jax.jit(_eval_and_accumulate, out_shardings=NamedSharding(mesh, P())), names
+
+
+def _under(mesh, fn):
+    """`fn` traced under `mesh`, as your own step under `jax.set_mesh(mesh)` would be: a model
+    may name the mesh's axes (`out_sharding=P("data", None)` on Explicit axes). The mesh is
+    entered when JAX traces `fn`, not around each call (set_mesh costs ~30 us a call), and not
+    around hooks, whose arrays may live elsewhere."""
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+    return traced
 
 
 def _linen_forward(loss_fn, state, params, batch, rng, train):
@@ -1063,7 +1088,7 @@ def _default_train_step(forward, loss_fn, opts):
 
         def loss_of(params):
             out, batch_stats = forward(loss_fn, state, params, batch, rng, True)
-            loss, metrics = _split_loss(out)
+            loss, metrics = _split_loss(out, _loss_name(opts))
             return loss, (metrics, batch_stats)
 
         (loss, (metrics, batch_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
@@ -1094,17 +1119,21 @@ def _takes_three(fn):
         return False
 
 
-def _split_loss(out):
+def _split_loss(out, who):
+    """`(loss, metrics)` of a loss function's output: a loss, or a loss and its aux. An aux that
+    is not a dict (the logits that the NNX tutorial's loss_fn returns for metrics of its own) is
+    left out: fit logs the metrics of a dict."""
     loss, metrics = out if isinstance(out, tuple) else (out, {})
     loss = jnp.asarray(loss)
     if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(f"fit: loss_fn must return a scalar float loss (or (loss, metrics)), got "
+        raise TypeError(f"fit: {who} must return a scalar float loss (or (loss, metrics)), got "
                         f"an array of shape {loss.shape} and dtype {loss.dtype}; reduce it with "
                         f".mean().")
-    if not isinstance(metrics, dict):
-        raise TypeError(f"fit: loss_fn's second output must be a dict of scalar metrics, got "
-                        f"{type(metrics).__name__}.")
-    return loss, metrics
+    return loss, metrics if isinstance(metrics, dict) else {}
+
+
+def _loss_name(opts):
+    return "nnx_loss_fn" if opts.nnx_loss_fn else "loss_fn"
 
 
 def _metric_names(metrics, who, default):
@@ -1182,9 +1211,10 @@ def _totals_and_weights(metrics, rows):
     return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
 
 
-def _trace(fn, state, spec, opts):
+def _trace(fn, state, spec, opts, fix=None):
     """The output shapes of `fn(state, batch)`: checks the user's functions before any compile
-    or directory, and turns three cryptic failures into advice."""
+    or directory, and turns three cryptic failures into advice. `fix`: what to pass instead of
+    fit's own call of the model, if `fn` makes one."""
     try:
         return jax.eval_shape(fn, state, spec)
     except NameError as e:
@@ -1195,11 +1225,17 @@ def _trace(fn, state, spec, opts):
                          f"{axis!r}), written for pmap), which plain jit does not bind; pass "
                          f"axis_name={axis!r} to fit to run the step per device over it.") from None
     except TypeError as e:
-        if opts.train_step or "'train'" not in str(e):
+        if fix is None or "'train'" not in str(e):
             raise
-        raise TypeError(f"fit: the model does not take train=, which fit's default step passes "
-                        f"({e}). Pass your own train_step(state, batch) -> (state, metrics) and "
-                        f"eval_step(state, batch) that call it your way; see README.md.") from None
+        raise TypeError(f"fit: the model does not take train=, which fit passes when it calls "
+                        f"the model itself ({e}). Pass your own {fix} that call it your way; see "
+                        f"README.md.") from None
+    except ValueError as e:  # an nnx Dropout without rngs of its own, called with none
+        if opts.nnx_loss_fn or "no `rngs` argument" not in str(e):
+            raise
+        raise ValueError(f"fit: {str(e).splitlines()[0]}: the model takes rngs at call time; "
+                         f"call it yourself with nnx_loss_fn(model, batch, rngs), see README.md "
+                         f"(NNX models).") from None
     except flax.errors.ScopeCollectionNotFound as e:
         if "batch_stats" not in str(e) or hasattr(state, "batch_stats"):
             raise
@@ -1239,6 +1275,11 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
                          f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
                          f"({e})") from None
 
+    # nnx_loss_fn(model, batch, rngs), by name where it names them so: the NNX tutorial's
+    # loss_fn takes (model, rngs, batch)
+    names = inspect.signature(opts.nnx_loss_fn).parameters if opts and opts.nnx_loss_fn else {}
+    by_name = {"batch", "rngs"} <= set(names)
+
     def merged(params, rest, train):
         model = nnx.merge(graphdef, params, rest)
         model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
@@ -1247,7 +1288,9 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
     def forward(loss_fn, state, params, batch, rng, train):
         model = merged(params, state.batch_stats, train)
         if opts.nnx_loss_fn:  # the user's call, with the step's key (fit's rng, not the model's)
-            out = opts.nnx_loss_fn(model, batch, nnx.Rngs(rng))
+            rngs = nnx.Rngs(rng)
+            out = opts.nnx_loss_fn(model, batch=batch, rngs=rngs) if by_name else \
+                opts.nnx_loss_fn(model, batch, rngs)
         else:  # Dropout draws from the model's own Rngs, carried in batch_stats
             out = loss_fn(model(batch[0]), batch[1])
         nnx.pop(model, nnx.Intermediate)
@@ -1367,11 +1410,12 @@ class _Meter:
                 f"interval after step {self.logged}; no checkpoint was written after it. Lower "
                 f"the learning rate, check the data, or pass on_nonfinite='skip'.")
 
-    def means(self, part):
-        """The means of a part's sums, which then start again. An epoch whose every step was
-        skipped as non-finite has NaN means; such a log interval has none."""
+    def means(self, part, reset=True):
+        """The means of a part's sums, which then start again (`reset`). An epoch whose every
+        step was skipped as non-finite has NaN means; such a log interval has none."""
         n, sums = self.sums[part]
-        self.sums[part] = [0, {}]
+        if reset:
+            self.sums[part] = [0, {}]
         sums = sums if n or part == "epoch" else {}
         where = "an epoch" if part == "epoch" else f"the log interval after step {self.logged}"
         means = {f"train/{k}": _mean(k, *v, "the train step", where) if n else math.nan
@@ -1637,6 +1681,9 @@ def _check_state(state, opts):
                 raise ValueError(f"fit: {name}= is for TrainState runs; an nnx model trains with "
                                  f"loss_fn(model(inputs), targets) or nnx_loss_fn(model, batch, "
                                  f"rngs), and eval_step(model, batch).")
+    elif _is_nnx(getattr(state, "model", None)):  # e.g. an nnx.ModelAndOptimizer
+        raise ValueError(f"fit: state is a {type(state).__name__}, which holds the model and its "
+                         f"optimizer; pass them apart: fit(state.model, ..., optimizer=state).")
     elif opts.optimizer is not None or opts.nnx_loss_fn is not None:
         name = "optimizer" if opts.optimizer is not None else "nnx_loss_fn"
         raise ValueError(f"fit: {name}= is for nnx models; a TrainState carries its own "

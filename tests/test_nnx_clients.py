@@ -248,12 +248,14 @@ def layout(node, filter=nnx.Param):
 
 
 @pytest.mark.parametrize("axes, fit_under_mesh", [("auto", False), ("auto", True),
-                                                  ("explicit", True)])
+                                                  ("explicit", True), ("explicit", False)])
 def test_a_model_created_sharded_keeps_its_shardings(digits, tmp_path, axes, fit_under_mesh):
     """Parameters created sharded (nnx.with_partitioning under jax.set_mesh: flax shards each
     annotated variable as it is created), trained without mesh= or state_sharding=. The model
-    of a mesh with Explicit axes (jax.make_mesh's default) runs under that mesh, as such code
-    does. The model keeps its parameters' shardings, and the optimizer its moments'."""
+    of a mesh with Explicit axes (jax.make_mesh's default) names that mesh's axes: fit runs it
+    under the mesh its parameters name, called inside `jax.set_mesh` or not (outside, it failed:
+    a PartitionSpec without a mesh). The model keeps its parameters' shardings, and the
+    optimizer its moments'."""
     x, y, _, _ = digits
     types = (jax.sharding.AxisType.Auto if axes == "auto" else jax.sharding.AxisType.Explicit,) * 2
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=types, devices=jax.devices()[:4])

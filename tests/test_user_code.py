@@ -1,0 +1,195 @@
+"""Programs written the way public Flax code is written, run through fit as their authors would
+run them, following the README: each test is a case that failed on fit.py before it was fixed (a
+list of bare array batches, the NNX tutorial's own loss function, a run cut by max_steps and
+resumed, and the messages of four common mistakes)."""
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from conftest import MLP, eval_step, loss_fn, make_state
+from flax import nnx
+
+import fit as fit_module
+from fit import TrainState, fit
+
+QUIET = dict(verbose=0, tensorboard=False)
+
+
+def _batches(n_batches, seed=0, size=16):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(size, 8, 8, 1)).astype(np.float32),
+             rng.integers(0, 10, size).astype(np.int32)) for _ in range(n_batches)]
+
+
+# A list of bare arrays: an autoencoder's batches are its inputs alone (Flax's VAE example).
+
+class AutoEncoder(nn.Module):
+    @nn.compact
+    def __call__(self, x, noise):
+        h = nn.relu(nn.Dense(16)(x + 0.01 * noise))
+        return nn.Dense(x.shape[-1])(h)
+
+
+def test_a_list_of_bare_array_batches_trains_with_your_own_steps(tmp_path, one_device_mesh):
+    """Each batch is one numpy array. Iterating the list compared each batch with None, which
+    a numpy array answers elementwise: fit failed at the second batch."""
+    rng = np.random.default_rng(0)
+    batches = [rng.normal(size=(8, 12)).astype(np.float32) for _ in range(4)]
+    model = AutoEncoder()
+    params = model.init(jax.random.key(0), batches[0], batches[0])["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
+
+    def train_step(state, batch, rng):
+        noise = jax.random.normal(rng, batch.shape)
+        loss_of = lambda p: ((state.apply_fn({"params": p}, batch, noise) - batch) ** 2).mean()
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    def eval_mse(state, batch):
+        out = state.apply_fn({"params": state.params}, batch, jax.numpy.zeros_like(batch))
+        return {"mse": ((out - batch) ** 2).mean()}
+
+    _, history = fit(state, batches, batches, train_step=train_step, eval_step=eval_mse,
+                     num_epochs=3, workdir=str(tmp_path), mesh=one_device_mesh, **QUIET)
+    assert history["step"] == [4, 8, 12]
+    assert history["eval/mse"][-1] < history["eval/mse"][0], history
+
+
+# A run cut short by max_steps, then resumed to its end.
+
+def test_a_run_cut_by_max_steps_and_resumed_has_the_history_of_an_uninterrupted_run(
+        tmp_path, one_device_mesh):
+    """The cut run's last epoch gets its own row, its means so far; resumed, that epoch goes
+    on, and its row comes again at its end with the means of the whole epoch (the resumed
+    history had two rows for it, the second a mean of its last steps only)."""
+    data = _batches(10)
+    kwargs = dict(loss_fn=loss_fn, num_epochs=3, log_every=4, mesh=one_device_mesh, **QUIET)
+    _, whole = fit(make_state(MLP()), data, workdir=str(tmp_path / "whole"), **kwargs)
+    _, cut = fit(make_state(MLP()), data, workdir=str(tmp_path / "cut"), max_steps=9, **kwargs)
+    assert cut["step"] == [9] and cut["epoch"] == [1]  # the cut epoch's row, in the cut call
+    _, resumed = fit(make_state(MLP()), data, workdir=str(tmp_path / "cut"), resume=True,
+                     **kwargs)
+    assert resumed["step"] == whole["step"] == [10, 20, 30], (resumed["step"], whole["step"])
+    assert resumed["epoch"] == whole["epoch"] == [1, 2, 3]
+    for name in ("train/loss", "train/accuracy"):
+        np.testing.assert_allclose(resumed[name], whole[name], rtol=1e-6, err_msg=name)
+
+
+# The NNX MNIST tutorial's own loss function.
+
+class TutorialMLP(nnx.Module):
+    """As in the NNX MNIST tutorial: a Dropout without rngs of its own, called with rngs."""
+
+    def __init__(self, *, rngs):
+        self.hidden = nnx.Linear(64, 32, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1)
+        self.out = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x, rngs=None):
+        h = self.dropout(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))), rngs=rngs)
+        return self.out(h)
+
+
+def tutorial_loss_fn(model, rngs, batch):  # the tutorial's order, and its (loss, logits)
+    logits = model(batch["image"], rngs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits=logits,
+                                                           labels=batch["label"]).mean()
+    return loss, logits
+
+
+def test_the_nnx_tutorials_loss_fn_trains_as_it_is(digits, tmp_path):
+    """`loss_fn(model, rngs, batch) -> (loss, logits)`, passed as nnx_loss_fn unchanged: fit
+    calls it by its parameters' names and leaves out an aux that is not a dict of metrics. It
+    failed twice: `batch` got the Rngs, then the logits were refused as metrics."""
+    x, y, xt, yt = digits
+    data = [{"image": x[i:i + 64], "label": y[i:i + 64]} for i in range(0, 640, 64)]
+    test = [{"image": xt[i:i + 100], "label": yt[i:i + 100]} for i in range(0, 300, 100)]
+    model = TutorialMLP(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    _, history = fit(model, data, test, optimizer=optimizer, nnx_loss_fn=tutorial_loss_fn,
+                     num_epochs=3, workdir=str(tmp_path), **QUIET)
+    assert "train/loss" in history and "eval/loss" in history, history  # (no logits metric)
+    assert history["eval/loss"][-1] < 0.5 * history["eval/loss"][0], history["eval/loss"]
+    model.eval()
+    logits = model(np.asarray(xt[:300]))
+    exact = optax.softmax_cross_entropy_with_integer_labels(logits, yt[:300]).mean()
+    np.testing.assert_allclose(history["eval/loss"][-1], float(exact), rtol=1e-5)
+
+
+def test_a_dropout_without_rngs_under_loss_fn_points_to_nnx_loss_fn(tmp_path):
+    model = TutorialMLP(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    plain = lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
+        logits, labels).mean()
+    with pytest.raises(ValueError, match=r"^fit: .*Dropout.*nnx_loss_fn\(model, batch, rngs\)"):
+        fit(model, _batches(2), optimizer=optimizer, loss_fn=plain, workdir=str(tmp_path),
+            **QUIET)
+
+
+def test_a_model_and_optimizer_given_as_the_state_is_explained(tmp_path):
+    model = TutorialMLP(rngs=nnx.Rngs(0))
+    both = nnx.ModelAndOptimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"fit\(state\.model, \.\.\., optimizer=state\)"):
+        fit(both, _batches(2), nnx_loss_fn=tutorial_loss_fn, workdir=str(tmp_path), **QUIET)
+
+
+# Messages.
+
+class NoTrainArg(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+def test_a_model_without_train_and_an_eval_of_loss_fn_is_told_to_pass_eval_step(
+        tmp_path, one_device_mesh):
+    """Your own train_step calls the model its way; the eval of loss_fn (no eval_step) is fit's
+    call with train=False, so the advice is an eval_step (it was Flax's raw TypeError)."""
+    model = NoTrainArg()
+    params = model.init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32))["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+    def train_step(state, batch):
+        x, y = batch
+        loss_of = lambda p: loss_fn(state.apply_fn({"params": p}, x), y)[0]
+        loss, grads = jax.value_and_grad(loss_of)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    with pytest.raises(TypeError, match=r"^fit: the model does not take train=") as info:
+        fit(state, _batches(2), _batches(1), train_step=train_step, loss_fn=loss_fn,
+            workdir=str(tmp_path), mesh=one_device_mesh, **QUIET)
+    assert "own eval_step(state, batch)" in str(info.value), info.value
+    with pytest.raises(TypeError, match=r"own eval_step\(state, batch\)"):
+        fit_module.evaluate(state, _batches(1), loss_fn=loss_fn, mesh=one_device_mesh)
+
+
+def test_a_fresh_run_from_a_trained_state_says_starting(tmp_path, one_device_mesh, capfd):
+    """A notebook that trains a state further in a new run: that run starts (at the state's
+    step), it does not resume."""
+    kwargs = dict(loss_fn=loss_fn, workdir=str(tmp_path), mesh=one_device_mesh, verbose=2,
+                  log_name="more")
+    state, _ = fit(make_state(MLP()), _batches(3), **kwargs)
+    fit(state, _batches(3), **kwargs)
+    out, err = capfd.readouterr()
+    assert "starting run 'more_2' at step 3" in out + err, out + err
+    assert "resuming" not in out + err, out + err
+    _, history = fit(make_state(MLP()), _batches(3), resume=True, num_epochs=2, **kwargs)
+    assert "resuming run 'more_2' at step 6" in "".join(capfd.readouterr()), history
+
+
+def test_the_bar_shows_the_latest_eval(tmp_path, one_device_mesh, capfd, monkeypatch):
+    """The bar shows the monitored metric; after an eval it shows that eval's value (it kept
+    the previous one until the next log point)."""
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    scripted = jax.numpy.array([0.25, 0.75])
+
+    def scripted_eval(state, batch):  # 4 steps an epoch: 0.25 after epoch 1, 0.75 after 2
+        return scripted[state.step // 4 - 1]
+
+    fit(make_state(MLP()), _batches(4), _batches(1, 1), loss_fn=loss_fn,
+        eval_step=scripted_eval, num_epochs=2, log_every=100, tensorboard=False,
+        workdir=str(tmp_path), mesh=one_device_mesh)
+    _, err = capfd.readouterr()
+    bars = [s for s in err.replace("\r", "\n").splitlines() if "%|" in s]
+    assert "accuracy=0.75" in bars[-1], bars
