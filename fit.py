@@ -765,8 +765,7 @@ class _Data:
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(order)
             for i in range(skip, self.length):
-                # (sorted: contiguous reads are faster; the set is what is random)
-                idx = np.sort(order[i * self.batch_size:(i + 1) * self.batch_size])
+                idx = order[i * self.batch_size:(i + 1) * self.batch_size]
                 yield (self.x[idx], self.y[idx]), (i + 1, None)
             return
         if self.stream:
@@ -972,8 +971,8 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
                 _STEPS.popitem(last=False)
     replicated = NamedSharding(mesh, P())
     # The sums start from zeros made here, not kept with the steps: a finished run leaves no array.
-    acc0 = {"sum": np.zeros((2, len(steps.acc_names)), np.float32), "count": np.zeros(3, np.int32),
-            "lr": np.float32(0), "norms": np.zeros(3, np.float32)}
+    acc0 = {"sums": np.zeros(2 * len(steps.acc_names) + 4, np.float32),
+            "count": np.zeros(3, np.int32)}
     eval0 = np.zeros(2 * len(steps.eval_names) + 1, np.float32)
     return steps._replace(acc0=jax.device_put(acc0, replicated),
                           eval0=jax.device_put(eval0, replicated) if steps.eval else None)
@@ -1154,9 +1153,9 @@ def _as_dict(metrics, default):
 
 def _train_and_accumulate(step_fn, names, lr_of, opts, state, acc, batch):
     """One train step plus the on-device bookkeeping: metric sums since the last log point, the
-    non-finite steps, the learning rate, and the norms of a log step. The metrics travel as one
-    array: on XLA's CPU backend every small op and output costs microseconds a step, which a
-    tiny model feels."""
+    non-finite steps, the learning rate, and the norms of a log step. They travel as two arrays,
+    the floats and the counts: on XLA's CPU backend every small op, input and output costs
+    microseconds a step, which a tiny model feels."""
     new_state, metrics = step_fn(state, batch)
     metrics = _as_dict(metrics, "loss")
     skip = opts.on_nonfinite == "skip"
@@ -1174,14 +1173,15 @@ def _train_and_accumulate(step_fn, names, lr_of, opts, state, acc, batch):
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     n, n_bad, first_bad = acc["count"]
-    lr = acc["lr"] if lr_of is None else jnp.asarray(lr_of(new_state), jnp.float32)
+    sums, m = acc["sums"], 2 * len(names)  # [totals, weights, grad_norm, param_norm, set, lr]
+    lr = sums[m + 3:] if lr_of is None else jnp.asarray(lr_of(new_state), jnp.float32)[None]
     first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
     count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
     # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
     norms = jnp.where(_at_log(state, opts) & (finite | (not skip)), jnp.append(norms, 1.0),
-                      acc["norms"])
-    return new_state, {"sum": acc["sum"] + values, "count": count.astype(jnp.int32), "lr": lr,
-                       "norms": norms}
+                      sums[m:m + 3])
+    sums = jnp.concatenate([sums[:m] + values.ravel(), norms, lr])
+    return new_state, {"sums": sums, "count": count.astype(jnp.int32)}
 
 
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
@@ -1361,25 +1361,27 @@ class _Meter:
 
     def _add(self, acc, step):
         n, n_bad, first_bad = (int(v) for v in acc["count"])
+        m = len(self.names)
+        totals, weights, rest = np.split(acc["sums"], [m, 2 * m])
+        grad_norm, param_norm, is_set, lr = rest.tolist()
         if n_bad and not self.skipping:
-            bad = [k for k, v in zip(self.names, acc["sum"][0]) if not np.isfinite(v)]
+            bad = [k for k, v in zip(self.names, totals) if not np.isfinite(v)]
             what = ", ".join(sorted(bad, key=lambda k: k != "loss"))
             raise FloatingPointError(f"fit: non-finite values (NaN or Inf) in {what} at step "
                                      f"{first_bad + 1} (checked by step {step}); no checkpoint "
                                      f"was written after it. Lower the learning rate, check the "
                                      f"data, or pass on_nonfinite='skip' to drop such updates.")
-        grad_norm, param_norm, is_set = acc["norms"].tolist()  # (set at a log step)
         if is_set:
             self.norms = {f"train/{k}": v for k, v in zip(_NORMS, (grad_norm, param_norm))
                           if k in self.norm_names}
             self.check(step, param_norm if math.isfinite(grad_norm) else grad_norm)
-        values = {k: [float(t), float(w)] for k, t, w in zip(self.names, *acc["sum"])}
+        values = {k: [float(t), float(w)] for k, t, w in zip(self.names, totals, weights)}
         for part in (self.sums["log"], self.sums["epoch"]):
             part[0] += n
             part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
                        for k, v in values.items()}
         self.sums["skipped"] += n_bad
-        self.lr = float(acc["lr"]) if self.lr_known else None
+        self.lr = float(lr) if self.lr_known else None
 
     def _interval(self, step):
         """The means of the interval that ends at `step`, with the learning rate and speed."""
