@@ -1275,11 +1275,6 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
                          f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
                          f"({e})") from None
 
-    # nnx_loss_fn(model, batch, rngs), by name where it names them so: the NNX tutorial's
-    # loss_fn takes (model, rngs, batch)
-    names = inspect.signature(opts.nnx_loss_fn).parameters if opts and opts.nnx_loss_fn else {}
-    by_name = {"batch", "rngs"} <= set(names)
-
     def merged(params, rest, train):
         model = nnx.merge(graphdef, params, rest)
         model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
@@ -1288,9 +1283,7 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
     def forward(loss_fn, state, params, batch, rng, train):
         model = merged(params, state.batch_stats, train)
         if opts.nnx_loss_fn:  # the user's call, with the step's key (fit's rng, not the model's)
-            rngs = nnx.Rngs(rng)
-            out = opts.nnx_loss_fn(model, batch=batch, rngs=rngs) if by_name else \
-                opts.nnx_loss_fn(model, batch, rngs)
+            out = _call_nnx_loss(opts.nnx_loss_fn, model, batch, nnx.Rngs(rng))
         else:  # Dropout draws from the model's own Rngs, carried in batch_stats
             out = loss_fn(model(batch[0]), batch[1])
         nnx.pop(model, nnx.Intermediate)
@@ -1307,6 +1300,14 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
         return model
 
     return state, forward, opts and opts.eval_step and eval_fn, finish
+
+
+def _call_nnx_loss(fn, model, batch, rngs):
+    """`fn(model, batch, rngs)`, or by name where `fn` names them so: the NNX tutorial's loss_fn
+    takes `(model, rngs, batch)`. (At trace time only: no cost a step.)"""
+    if {"batch", "rngs"} <= set(inspect.signature(fn).parameters):
+        return fn(model, batch=batch, rngs=rngs)
+    return fn(model, batch, rngs)
 
 
 class _Meter:
