@@ -635,12 +635,13 @@ def _save(ckpts, meter, run, opts, state, step, epoch, position):
         run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
     final = None if run.stopping in _SIGNALS else run.stopping  # a hook's stop is for good
     hooks = {str(i): h.get_state() for i, h in enumerate(run.hooks) if hasattr(h, "get_state")}
+    value = run.rank(step)  # (first: the kept best that the checkpoint records include it)
     meta = {"epoch": epoch, "position": position if position[0] else (0, None),
             "meter": meter.sums, "history": run.history, "best": run.best,
             "best_step": run.best_step, "top": run.top, "hooks": hooks,
             "stop": final, "target": [opts.num_epochs, opts.max_steps], "seed": opts.seed}
     with meter.timed("save"):
-        ckpts.save(step, state, meta, run.rank(step))
+        ckpts.save(step, state, meta, value)
     run.save = False
     if run.stopping in _SIGNALS:
         _say(_verbosity(opts.verbose), f"fit: stopped by {run.stopping} at step {step}; "
@@ -1494,12 +1495,16 @@ class _Checkpoints:
         with `max_to_keep` would delete the latest, and keep saves without metrics forever."""
         if self.mgr is None:
             logging.getLogger("absl").addFilter(_quiet_orbax)
-            policies = ocp.checkpoint_managers
+            policies, metric = ocp.checkpoint_managers, lambda m: m[self.monitor]
             policy = policies.AnyPreservationPolicy([policies.LatestN(1), policies.BestN(
-                get_metric_fn=lambda m: m[self.monitor], reverse=self.mode == "min",
-                n=self.max_to_keep, keep_checkpoints_without_metrics=False)])
+                get_metric_fn=metric, reverse=self.mode == "min", n=self.max_to_keep,
+                keep_checkpoints_without_metrics=False)])
+            # best_fn as well: orbax 0.12 writes a step's metrics to disk only with it, and a
+            # manager opened to resume reads them back; without them BestN took the earlier
+            # runs' best for a save without metrics and deleted it at the first new save.
             self.mgr = _open(self.ckpt_dir, ocp.CheckpointManagerOptions(
-                preservation_policy=policy, cleanup_tmp_directories=True))
+                preservation_policy=policy, cleanup_tmp_directories=True, best_fn=metric,
+                best_mode=self.mode))
 
     def overdue(self):
         """Whether `ckpt_interval` seconds have passed since the last save. Also raises the

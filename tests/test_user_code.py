@@ -1,7 +1,10 @@
 """Programs written the way public Flax code is written, run through fit as their authors would
 run them, following the README: each test is a case that failed on fit.py before it was fixed (a
 list of bare array batches, the NNX tutorial's own loss function, a run cut by max_steps and
-resumed, and the messages of four common mistakes)."""
+resumed, and the messages of four common mistakes), and a resumed run whose best checkpoint came
+before the stop."""
+import os
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -11,7 +14,7 @@ from conftest import MLP, eval_step, loss_fn, make_state
 from flax import nnx
 
 import fit as fit_module
-from fit import TrainState, fit
+from fit import EarlyStopping, TrainState, fit, load_ckpt
 
 QUIET = dict(verbose=0, tensorboard=False)
 
@@ -193,3 +196,49 @@ def test_the_bar_shows_the_latest_eval(tmp_path, one_device_mesh, capfd, monkeyp
     _, err = capfd.readouterr()
     bars = [s for s in err.replace("\r", "\n").splitlines() if "%|" in s]
     assert "accuracy=0.75" in bars[-1], bars
+
+
+# The best checkpoint of a resumed run.
+
+def _scripted_eval(accuracies, steps_per_epoch):
+    table = jax.numpy.array(accuracies)
+
+    def scripted(state, batch):  # the eval accuracy of each epoch, from the state's step
+        return table[state.step // steps_per_epoch - 1]
+    return scripted
+
+
+def test_a_resumed_run_keeps_the_best_checkpoint_of_its_first_call(tmp_path, one_device_mesh):
+    """The best eval (step 15) came before the stop; none after the resume beats it. orbax wrote
+    no metrics to disk without best_fn, so the resumed manager took step 15 for a checkpoint
+    without metrics and deleted it at its first save, and load_ckpt(..., "best") failed. And the
+    kept best were recorded before the checkpoint's own value joined them, so after the resume
+    an eval worse than the best (0.8 at step 20) was saved as if it entered the best."""
+    scripted = _scripted_eval([0.5, 0.7, 0.9, 0.8, 0.65, 0.68], 5)
+    kwargs = dict(loss_fn=loss_fn, eval_step=scripted, num_epochs=6, workdir=str(tmp_path),
+                  mesh=one_device_mesh, **QUIET)
+    fit(make_state(MLP()), _batches(5), _batches(1, 1), max_steps=15, **kwargs)
+    saves = []
+    record = lambda event, run: saves.append(run.step) if event == "save" else None
+    _, history = fit(make_state(MLP()), _batches(5), _batches(1, 1), resume=True, hooks=[record],
+                     **kwargs)
+    assert history["eval/step"] == [5, 10, 15, 20, 25, 30]
+    assert saves == [30], saves  # only the end: no eval after the resume enters the best
+    kept = sorted(int(d) for d in os.listdir(history.ckpt_dir) if d.isdigit())
+    assert kept == [15, 30], kept
+    assert int(load_ckpt(make_state(MLP()), history.ckpt_dir, "best").step) == 15
+
+
+def test_early_stopping_after_a_resume_restores_the_best_of_the_first_call(
+        tmp_path, one_device_mesh):
+    """EarlyStopping(restore_best=True) loads the best checkpoint at train_end: after a resume
+    it raised, as that checkpoint had been deleted, and the run's result was lost."""
+    scripted = _scripted_eval([0.5, 0.7, 0.9, 0.8, 0.65, 0.68], 5)
+    kwargs = dict(loss_fn=loss_fn, eval_step=scripted, num_epochs=6, workdir=str(tmp_path),
+                  mesh=one_device_mesh, **QUIET)
+    fit(make_state(MLP()), _batches(5), _batches(1, 1), max_steps=15,
+        hooks=[EarlyStopping(patience=2)], **kwargs)
+    state, history = fit(make_state(MLP()), _batches(5), _batches(1, 1), resume=True,
+                         hooks=[EarlyStopping(patience=2)], **kwargs)
+    assert history["stopped"] == ["EarlyStopping at step 25"], history
+    assert int(state.step) == 15
