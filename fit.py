@@ -40,7 +40,7 @@ What you supply
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in that
 order. See README.md for every option.
 """
-import collections
+import collections.abc
 import contextlib
 import dataclasses
 import difflib
@@ -230,8 +230,6 @@ def fit(state, train_ds, test_ds=None, **options):
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
                   f"{step} on {mesh.size} device(s); tensorboard --logdir "
                   f"{os.path.dirname(ckpts.log_dir)}")
-    if position[0] and run.history["step"][-1:] == [step]:  # max_steps cut this epoch short:
-        run.history.reopen_epoch()  # it goes on now, and its whole row comes at its end
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one step late, when the device has finished them.
@@ -349,13 +347,6 @@ class History(dict):
     and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`
     (seconds spent compiling, evaluating and saving, and the steady rate without them)."""
     run = log_dir = ckpt_dir = timing = None
-
-    def reopen_epoch(self):
-        """Drops the last epoch's row (not its evals), for a resumed run that goes on with it."""
-        rows = len(self["step"])
-        for name in [k for k in self if k in ("epoch", "step") or k.startswith("train/")]:
-            if len(self[name]) == rows:
-                self[name].pop()
 
 
 class EarlyStopping:
@@ -766,7 +757,8 @@ class _Data:
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(order)
             for i in range(skip, self.length):
-                idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+                # (sorted: the rows of a memory-mapped file are read in order)
+                idx = np.sort(order[i * self.batch_size:(i + 1) * self.batch_size])
                 yield (self.x[idx], self.y[idx]), (i + 1, None)
             return
         if self.stream:
@@ -798,7 +790,8 @@ class _Data:
             else:
                 for _ in range(skip):  # (not islice: that would hide get_state)
                     next(iterator, None)
-        for raw in iterator:
+        end = object()  # (not iter(next, None): a numpy batch would be compared elementwise)
+        while (raw := next(iterator, end)) is not end:
             yield raw, _position(iterator)
 
 
@@ -1051,10 +1044,14 @@ def _eval_step(state, test, opts, mesh, forward, eval_step):
 
 
 def _under(mesh, fn):
-    """`fn` traced under `mesh`, as your own step under `jax.set_mesh(mesh)` would be: a model
-    may name the mesh's axes (`out_sharding=P("data", None)` on Explicit axes). The mesh is
-    entered when JAX traces `fn`, not around each call (set_mesh costs ~30 us a call), and not
-    around hooks, whose arrays may live elsewhere."""
+    """`fn` traced under a mesh of Explicit axes, as your own step under `jax.set_mesh(mesh)`
+    would be: such a model names the mesh's axes (`out_sharding=P("data", None)`). Entered when
+    JAX traces `fn`, not around each call (set_mesh costs ~30 us a call) nor around hooks. Not
+    for Auto axes, where Flax's partitioning annotations stay no-ops, as they were: a model
+    annotated for a "model" axis trains on fit's data-only mesh."""
+    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return fn
+
     def traced(*args):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args)
@@ -1120,16 +1117,23 @@ def _takes_three(fn):
 
 
 def _split_loss(out, who):
-    """`(loss, metrics)` of a loss function's output: a loss, or a loss and its aux. An aux that
-    is not a dict (the logits that the NNX tutorial's loss_fn returns for metrics of its own) is
-    left out: fit logs the metrics of a dict."""
+    """`(loss, metrics)` of a loss function's output: a loss, or a loss and a dict of metrics.
+    An aux that is an array of logits (the NNX tutorial's loss_fn returns them, for metrics it
+    computes elsewhere) is left out."""
     loss, metrics = out if isinstance(out, tuple) else (out, {})
     loss = jnp.asarray(loss)
     if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(f"fit: {who} must return a scalar float loss (or (loss, metrics)), got "
                         f"an array of shape {loss.shape} and dtype {loss.dtype}; reduce it with "
                         f".mean().")
-    return loss, metrics if isinstance(metrics, dict) else {}
+    if isinstance(metrics, collections.abc.Mapping):
+        return loss, dict(metrics)
+    if getattr(metrics, "ndim", 0) < 1:  # (a scalar: a metric that wants a name)
+        got = f"a scalar {metrics.dtype}" if hasattr(metrics, "dtype") else type(metrics).__name__
+        raise TypeError(f"fit: {who}'s second output must be a dict of scalar metrics, e.g. "
+                        f"(loss, {{'accuracy': accuracy}}), or an array of logits, which fit "
+                        f"leaves out; got {got}.")
+    return loss, {}
 
 
 def _loss_name(opts):
@@ -1175,7 +1179,7 @@ def _train_and_accumulate(step_fn, names, lr_of, opts, state, acc, batch):
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     n, n_bad, first_bad = acc["count"]
     sums, m = acc["sums"], 2 * len(names)  # [totals, weights, grad_norm, param_norm, set, lr]
-    lr = sums[m + 3:] if lr_of is None else jnp.asarray(lr_of(new_state), jnp.float32)[None]
+    lr = sums[m + 3:] if lr_of is None else jnp.reshape(lr_of(new_state), 1).astype(jnp.float32)
     first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
     count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
     # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
@@ -1226,7 +1230,7 @@ def _trace(fn, state, spec, opts, fix=None):
                          f"{axis!r}), written for pmap), which plain jit does not bind; pass "
                          f"axis_name={axis!r} to fit to run the step per device over it.") from None
     except TypeError as e:
-        if fix is None or "'train'" not in str(e):
+        if fix is None or "unexpected keyword argument 'train'" not in str(e):
             raise
         raise TypeError(f"fit: the model does not take train=, which fit passes when it calls "
                         f"the model itself ({e}). Pass your own {fix} that call it your way; see "
@@ -1306,7 +1310,8 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
 def _call_nnx_loss(fn, model, batch, rngs):
     """`fn(model, batch, rngs)`, or by name where `fn` names them so: the NNX tutorial's loss_fn
     takes `(model, rngs, batch)`. (At trace time only: no cost a step.)"""
-    if {"batch", "rngs"} <= set(inspect.signature(fn).parameters):
+    p = inspect.signature(fn).parameters
+    if all(k in p and p[k].kind != p[k].POSITIONAL_ONLY for k in ("batch", "rngs")):
         return fn(model, batch=batch, rngs=rngs)
     return fn(model, batch, rngs)
 
