@@ -311,7 +311,7 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
             raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
                              f"{sorted(steps)}: pass one of those, 'last' or 'best'.")
         sharding = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
-        replicated = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), P())
+        replicated = NamedSharding(_default_mesh(), P())
         placed = _place_state(state, 0, replicated)
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
@@ -1710,19 +1710,27 @@ def _check_state(state, opts):
 
 def _mesh(opts, state):
     """`mesh=`; else the mesh that the state's arrays are already sharded over (they keep their
-    shardings); else every device along one 'data' axis."""
+    shardings); else the one set with `jax.set_mesh` around the call (code inside it must run on
+    that mesh); else every device along one 'data' axis."""
     own = {x.sharding.mesh for x in jax.tree.leaves(state) if _split(x)}
-    mesh = opts.mesh or Mesh(np.array(jax.devices()), ("data",))
+    mesh = opts.mesh or _default_mesh()
     if opts.mesh is None and opts.state_sharding is None and len(own) == 1:
         mesh = own.pop()
-        if "data" not in mesh.axis_names:
-            raise ValueError(f"fit: the state is sharded over a mesh with axes {mesh.axis_names}"
-                             f", without a 'data' axis to shard batches over; pass mesh=.")
+    if opts.mesh is None and "data" not in mesh.axis_names:
+        raise ValueError(f"fit: the state's mesh (or the one set with jax.set_mesh) has axes "
+                         f"{mesh.axis_names}, without a 'data' axis to shard batches over; pass "
+                         f"mesh=.")
     if not opts.axis_name:
         return mesh  # as given: the mesh that the state's shardings name, axis types and all
     # A model written for pmap calls lax.pmean(..., axis_name): the data axis takes that name.
     names = tuple(opts.axis_name if axis == "data" else axis for axis in mesh.axis_names)
     return Mesh(mesh.devices, names, axis_types=mesh.axis_types)
+
+
+def _default_mesh():
+    """The mesh set with `jax.set_mesh` around the call, else every device on one 'data' axis."""
+    context = jax.sharding.get_mesh()
+    return Mesh(np.array(jax.devices()), ("data",)) if context.empty else context
 
 
 def _check_data(train, test, opts, mesh):

@@ -309,3 +309,17 @@ def test_a_scalar_second_output_of_loss_fn_is_refused_with_the_fix(tmp_path, one
     with pytest.raises(TypeError, match=r"^fit: loss_fn's second output must be a dict"):
         fit(make_state(MLP()), _batches(2), loss_fn=loss_and_accuracy, workdir=str(tmp_path),
             mesh=one_device_mesh, **QUIET)
+
+
+def test_fit_inside_jax_set_mesh_trains_on_that_mesh(tmp_path):
+    """Code written for JAX's explicit sharding runs under `with jax.set_mesh(mesh):`. fit took
+    all devices on a mesh of its own, which did not match the context's, and failed in its own
+    step ("context mesh ... should match the aval mesh"); it now takes the context's mesh."""
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        state, history = fit(make_state(MLP()), _batches(4), _batches(1, 1), loss_fn=loss_fn,
+                             eval_step=eval_step, num_epochs=2, workdir=str(tmp_path), **QUIET)
+        assert int(load_ckpt(make_state(MLP()), history.ckpt_dir).step) == 8
+    assert history["step"] == [4, 8] and len(history["eval/accuracy"]) == 2
+    assert state.params["Dense_0"]["kernel"].sharding.mesh.devices.size == 4
