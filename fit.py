@@ -1233,7 +1233,7 @@ def _trace(fn, state, spec, opts, fix=None):
         if fix is None or "unexpected keyword argument 'train'" not in str(e):
             raise
         raise TypeError(f"fit: the model does not take train=, which fit passes when it calls "
-                        f"the model itself ({e}). Pass your own {fix} that call it your way; see "
+                        f"the model itself ({e}). Pass your own {fix} to call it your way; see "
                         f"README.md.") from None
     except ValueError as e:  # an nnx Dropout without rngs of its own, called with none
         if opts.nnx_loss_fn or "no `rngs` argument" not in str(e):
