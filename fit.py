@@ -264,11 +264,11 @@ def fit(state, train_ds, test_ds=None, **options):
                 if last:  # the epoch ran to its end
                     _end_epoch(run, meter, plan, evaluate, ckpts.overdue, state, step, epoch)
                     epoch, position = epoch + 1, (0, None)
+                elif not run.stopping:  # max_steps ended the run inside an epoch
+                    _end_epoch(run, meter, plan, evaluate, ckpts.overdue, state, step, epoch,
+                               complete=False)
                 if run.stopping or run.save or plan.due("ckpt", step, k):
                     save(state, step, epoch, position)
-            if position[0] and not run.stopping:  # max_steps ended the run inside an epoch
-                _end_epoch(run, meter, plan, evaluate, ckpts.overdue, state, step, epoch,
-                           complete=False)
             save(state, step, epoch, position)  # always: at the end and on every stop
             with meter.timed("finish"):  # the last save's commit: once a run, not steady work
                 ckpts.wait()
@@ -620,23 +620,27 @@ def _save(ckpts, meter, run, opts, state, step, epoch, position):
     if step == ckpts.saved:
         return
     run.log(state, step, epoch, meter.read(step, log_due=False, sync=True))
-    meter.check(step, None, state)
-    run.call("save", state, step, epoch)
-    if run.stopping:
-        run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
-    final = None if run.stopping in _SIGNALS else run.stopping  # a hook's stop is for good
-    hooks = {str(i): h.get_state() for i, h in enumerate(run.hooks) if hasattr(h, "get_state")}
-    value = run.rank(step)  # (first: the kept best that the checkpoint records include it)
-    meta = {"epoch": epoch, "position": position if position[0] else (0, None),
-            "meter": meter.sums, "history": run.history, "best": run.best,
-            "best_step": run.best_step, "top": run.top, "hooks": hooks,
-            "stop": final, "target": [opts.num_epochs, opts.max_steps], "seed": opts.seed}
-    with meter.timed("save"):
-        ckpts.save(step, state, meta, value)
+    with meter.timed("save"):  # (the check waits for the last step: a save's cost, not a step's)
+        meter.check(step, None, state)
+        run.call("save", state, step, epoch)
+        if run.stopping:
+            run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
+        value = run.rank(step)  # (first: the kept best that the checkpoint records include it)
+        ckpts.save(step, state, _meta(run, meter, opts, epoch, position), value)
     run.save = False
     if run.stopping in _SIGNALS:
         _say(_verbosity(opts.verbose), f"fit: stopped by {run.stopping} at step {step}; "
                                        f"checkpoint saved, continue with resume=True.")
+
+
+def _meta(run, meter, opts, epoch, position):
+    """What a checkpoint holds besides the state: all that a resume needs to go on exactly."""
+    final = None if run.stopping in _SIGNALS else run.stopping  # a hook's stop is for good
+    hooks = {str(i): h.get_state() for i, h in enumerate(run.hooks) if hasattr(h, "get_state")}
+    return {"epoch": epoch, "position": position if position[0] else (0, None),
+            "meter": meter.sums, "history": run.history, "best": run.best,
+            "best_step": run.best_step, "top": run.top, "hooks": hooks,
+            "stop": final, "target": [opts.num_epochs, opts.max_steps], "seed": opts.seed}
 
 
 def _evaluate(steps, test, put, timed, state):
@@ -986,8 +990,10 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
         step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(opts.axis_name)),
                                 out_specs=(P(), P()), check_vma=False)
     step_fn = jax.jit(_under(mesh, step_fn))
-    fix = None if opts.train_step else ("train_step(state, batch) -> (state, metrics) and "
-                                        "eval_step(state, batch)")
+    fix = ("train_step(state, batch) -> (state, metrics) and eval_step(state, batch)"
+           if forward is _linen_forward else
+           "nnx_loss_fn(model, batch, rngs) and eval_step(model, batch)")
+    fix = None if opts.train_step or opts.nnx_loss_fn else fix  # (else: fit calls the model)
     traced = _metric_names(_trace(step_fn, state, train.spec, opts, fix)[1], who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
@@ -1032,8 +1038,9 @@ def _eval_step(state, test, opts, mesh, forward, eval_step):
 
     inner = jax.jit(_under(mesh, eval_step or loss_eval))
     who = "eval_step" if eval_step else _loss_name(opts)
-    names = _metric_names(_trace(inner, state, test.spec, opts, None if eval_step else
-                                 "eval_step(state, batch)"), who, "accuracy")
+    fix = f"eval_step({'state' if forward is _linen_forward else 'model'}, batch)"
+    names = _metric_names(_trace(inner, state, test.spec, opts, None if eval_step or
+                                 opts.nnx_loss_fn else fix), who, "accuracy")
 
     def _eval_and_accumulate(state, acc, batch):  # totals, weights, batches
         n = jax.tree.leaves(batch)[0].shape[0]
@@ -1229,12 +1236,14 @@ def _trace(fn, state, spec, opts, fix=None):
         raise ValueError(f"fit: the model uses the named axis {axis!r} (e.g. BatchNorm(axis_name="
                          f"{axis!r}), written for pmap), which plain jit does not bind; pass "
                          f"axis_name={axis!r} to fit to run the step per device over it.") from None
-    except TypeError as e:
-        if fix is None or "unexpected keyword argument 'train'" not in str(e):
+    except TypeError as e:  # (Python names the method: "MLP.__call__() missing 1 required")
+        train = "unexpected keyword argument 'train'" in str(e)
+        if fix is None or not (train or "__call__() missing" in str(e)):
             raise
-        raise TypeError(f"fit: the model does not take train=, which fit passes when it calls "
-                        f"the model itself ({e}). Pass your own {fix} to call it your way; see "
-                        f"README.md.") from None
+        what = ("does not take train=, which fit passes" if train else
+                "needs arguments that fit does not pass")
+        raise TypeError(f"fit: the model {what} when it calls the model itself ({e}). Pass your "
+                        f"own {fix} to call it your way; see README.md.") from None
     except ValueError as e:  # an nnx Dropout without rngs of its own, called with none
         if opts.nnx_loss_fn or "no `rngs` argument" not in str(e):
             raise
@@ -1310,7 +1319,10 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
 def _call_nnx_loss(fn, model, batch, rngs):
     """`fn(model, batch, rngs)`, or by name where `fn` names them so: the NNX tutorial's loss_fn
     takes `(model, rngs, batch)`. (At trace time only: no cost a step.)"""
-    p = inspect.signature(fn).parameters
+    try:
+        p = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # (a signature Python cannot read: called positionally)
+        p = {}
     if all(k in p and p[k].kind != p[k].POSITIONAL_ONLY for k in ("batch", "rngs")):
         return fn(model, batch=batch, rngs=rngs)
     return fn(model, batch, rngs)

@@ -81,6 +81,19 @@ def test_a_run_cut_by_max_steps_and_resumed_logs_the_whole_epochs_means(
         assert resumed[name][0] == cut[name][0], name
 
 
+def test_a_save_due_at_the_cut_step_holds_the_cut_epochs_row_and_eval(tmp_path, one_device_mesh):
+    """max_steps=9 with ckpt_every=3: the save of step 9 came before the cut epoch's row and
+    eval, and the final save was skipped (the same step), so the checkpoint lacked both: the
+    resumed run's history had no row and no eval at step 9."""
+    kwargs = dict(loss_fn=loss_fn, eval_step=eval_step, num_epochs=2, ckpt_every=3,
+                  workdir=str(tmp_path), mesh=one_device_mesh, **QUIET)
+    _, cut = fit(make_state(MLP()), _batches(10), _batches(1, 1), max_steps=9, **kwargs)
+    assert cut["step"] == [9] and cut["eval/step"] == [9], cut
+    _, resumed = fit(make_state(MLP()), _batches(10), _batches(1, 1), resume=True, **kwargs)
+    assert resumed["step"] == [9, 10, 20] and resumed["eval/step"] == [9, 10, 20], resumed
+    assert resumed["train/loss"][0] == cut["train/loss"][0]
+
+
 # The NNX MNIST tutorial's own loss function.
 
 class TutorialMLP(nnx.Module):
@@ -167,6 +180,51 @@ def test_a_model_without_train_and_an_eval_of_loss_fn_is_told_to_pass_eval_step(
     assert "own eval_step(state, batch)" in str(info.value), info.value
     with pytest.raises(TypeError, match=r"own eval_step\(state, batch\)"):
         fit_module.evaluate(state, _batches(1), loss_fn=loss_fn, mesh=one_device_mesh)
+
+
+class NeedsTrain(nnx.Module):
+    """An nnx model whose call requires a train flag, as many ported linen models do."""
+
+    def __init__(self, *, rngs):
+        self.out = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x, train):
+        return self.out(x.reshape(x.shape[0], -1))
+
+
+def test_an_nnx_model_that_requires_train_is_told_to_pass_nnx_loss_fn(tmp_path):
+    """fit calls an nnx model as model(inputs) under loss_fn; one that requires `train` got
+    Python's raw "missing 1 required positional argument", and the advice for linen (your own
+    train_step) does not apply to nnx models."""
+    model = NeedsTrain(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    with pytest.raises(TypeError, match=r"^fit: the model needs arguments that fit does not "
+                                        r"pass") as info:
+        fit(model, _batches(2), optimizer=optimizer, loss_fn=loss_fn, workdir=str(tmp_path),
+            **QUIET)
+    assert "own nnx_loss_fn(model, batch, rngs) and eval_step(model, batch)" in str(info.value)
+    assert "'train'" in str(info.value) and "train_step" not in str(info.value), info.value
+    # Called its way, it trains; the eval of nnx_loss_fn is the user's call too.
+    call = lambda model, batch, rngs: loss_fn(model(batch[0], train=True), batch[1])
+    _, history = fit(model, _batches(2), _batches(1), optimizer=optimizer, nnx_loss_fn=call,
+                     workdir=str(tmp_path), **QUIET)
+    assert history["step"] == [2] and "eval/loss" in history, history
+
+
+class Unreadable:
+    """A callable whose signature Python cannot read (as some C or wrapped callables)."""
+    __signature__ = 1
+
+    def __call__(self, model, batch, rngs):
+        return loss_fn(model(batch[0], train=True), batch[1])
+
+
+def test_an_nnx_loss_fn_without_a_readable_signature_is_called_positionally(tmp_path):
+    model = NeedsTrain(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    _, history = fit(model, _batches(2), optimizer=optimizer, nnx_loss_fn=Unreadable(),
+                     workdir=str(tmp_path), **QUIET)
+    assert history["step"] == [2], history
 
 
 def test_a_fresh_run_from_a_trained_state_says_starting(tmp_path, one_device_mesh, capfd):
