@@ -113,12 +113,8 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
     # The cosine spans the steps after warmup up to the last, total-1 (common bugs: decaying over
     # `total`, a step short, or over the whole run, so warmup ends on a decayed schedule).
     decay_steps = max(total - 1 - warmup, 1)
-    alpha = end_value / base_lr if base_lr else 0.0
-    cosine = optax.cosine_decay_schedule(base_lr, decay_steps, alpha=alpha)
-    if warmup == 0:
-        return cosine
-    linear = optax.linear_schedule(init_value, base_lr, warmup)
-    return optax.join_schedules([linear, cosine], [warmup])
+    return optax.warmup_cosine_decay_schedule(init_value, base_lr, warmup, warmup + decay_steps,
+                                              end_value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -261,12 +257,10 @@ def fit(state, train_ds, test_ds=None, **options):
                 if not k:
                     raise ValueError(f"fit: train_ds yielded no batches in epoch {epoch + 1}; "
                                      f"pass a re-iterable (a list, a loader) or steps_per_epoch=.")
-                if last:  # the epoch ran to its end
-                    _end_epoch(run, meter, plan, evaluate, ckpts.overdue, state, step, epoch)
+                if last or not run.stopping:  # its end, or max_steps ended the run inside it
+                    _end_epoch(run, meter, plan, evaluate, ckpts.overdue, state, step, epoch, last)
+                if last:
                     epoch, position = epoch + 1, (0, None)
-                elif not run.stopping:  # max_steps ended the run inside an epoch
-                    _end_epoch(run, meter, plan, evaluate, ckpts.overdue, state, step, epoch,
-                               complete=False)
                 if run.stopping or run.save or plan.due("ckpt", step, k):
                     save(state, step, epoch, position)
             save(state, step, epoch, position)  # always: at the end and on every stop
@@ -440,8 +434,7 @@ class ProgressBar:
         self.bar.set_description(f"epoch {run.epoch + 1}/{run.num_epochs}", refresh=False)
         names = ["train/loss"] + ([run.monitor] if run.monitor != "train/loss" else [])
         parts = [f"{n.split('/')[-1]}={self.shown[n]:.4g}" for n in names if n in self.shown]
-        rate = self.shown.get("perf/steps_per_s")
-        if rate:
+        if rate := self.shown.get("perf/steps_per_s"):
             parts.append(f"{rate:.3g} steps/s")
             if run.total_steps:
                 parts.append(f"ETA {tqdm.format_interval((run.total_steps - run.step) / rate)}")
@@ -599,15 +592,14 @@ class _Run:
                 hook("train_end", self)
 
 
-def _end_epoch(run, meter, plan, evaluate, overdue, state, step, epoch, complete=True):
+def _end_epoch(run, meter, plan, evaluate, overdue, state, step, epoch, complete):
     """An epoch's end: its last log interval, its means in the history, the epoch_end hooks,
     then an eval if one is due. `complete=False`: max_steps ended the run inside the epoch."""
     run.log(state, step, epoch, meter.read(step, log_due=True, sync=True), overdue)
     row = meter.means("epoch", reset=complete)  # (a cut epoch's sums go on after a resume)
     for name, value in [("epoch", epoch + 1), ("step", step), *row.items()]:
         run.history.setdefault(name, []).append(value)
-    if plan.monitor.startswith("train/"):
-        run.track(row.get(plan.monitor), step)
+    run.track(row.get(plan.monitor), step)  # (an eval/ monitor is not in the row: no-op)
     run.call("epoch_end", state, step, epoch, row)
     last = plan.done(epoch + complete, step)
     if plan.eval_at_epoch_end(epoch + 1, last) and run.last_eval != step:
@@ -620,7 +612,7 @@ def _save(ckpts, meter, run, opts, state, step, epoch, position):
     if step == ckpts.saved:
         return
     run.log(state, step, epoch, meter.read(step, log_due=False, sync=True))
-    with meter.timed("save"):  # (the check waits for the last step: a save's cost, not a step's)
+    with meter.timed("save"):  # (the check, the hooks and orbax's blocking part)
         meter.check(step, None, state)
         run.call("save", state, step, epoch)
         if run.stopping:
@@ -655,9 +647,8 @@ def _evaluate(steps, test, put, timed, state):
         raise ValueError("fit: test_ds yielded no batches; a generator can be iterated only "
                          "once: pass a list or a re-iterable loader.")
     m = len(steps.eval_names)
-    pairs = dict(zip(steps.eval_names, zip(sums[:m], sums[m:])))
     return {k: _mean(k, total, weight, "eval_step", "the eval set")
-            for k, (total, weight) in pairs.items()}
+            for k, total, weight in zip(steps.eval_names, sums[:m], sums[m:])}
 
 
 _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
@@ -1083,12 +1074,11 @@ def _default_train_step(forward, loss_fn, opts):
     """The one gradient step of linen and nnx models alike: the loss of a forward pass in train
     mode, the gradients, one update. With `axis_name` it runs on each device's share of the
     batch (under shard_map) and averages gradients and metrics, as pmap-era code did."""
-    axis_name = opts.axis_name
 
     def train_step(state, batch):
         rng = _step_key(state, opts.seed)
-        if axis_name:  # each device draws its own dropout masks
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis_name))
+        if opts.axis_name:  # each device draws its own dropout masks
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(opts.axis_name))
 
         def loss_of(params):
             out, batch_stats = forward(loss_fn, state, params, batch, rng, True)
@@ -1097,8 +1087,8 @@ def _default_train_step(forward, loss_fn, opts):
 
         (loss, (metrics, batch_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
             state.params)
-        if axis_name:
-            grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis_name)
+        if opts.axis_name:
+            grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), opts.axis_name)
         stats = {"batch_stats": batch_stats} if hasattr(state, "batch_stats") else {}
         grad_norm = _log_norm(state, opts, grads)  # (before the update: its step decides)
         state = state.apply_gradients(grads=grads, **stats)
@@ -1355,6 +1345,7 @@ class _Meter:
         else:  # one wait per new shape, so compile time is kept out of the rate
             with self.timed("compile", k):
                 state, self.acc = jax.block_until_ready(steps.train(state, self.acc, batch, k))
+                self.param_norm(state)  # (the check before saves compiles here, not at a save)
             self.compiled.add(shape)
         # Keep the host at most two calls ahead, so it does not queue up batches.
         self.inflight.append(self.acc["count"])
