@@ -211,6 +211,27 @@ def test_an_nnx_model_that_requires_train_is_told_to_pass_nnx_loss_fn(tmp_path):
     assert history["step"] == [2] and "eval/loss" in history, history
 
 
+class TwoInputs(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask, train):
+        return nn.Dense(10)(x.reshape(x.shape[0], -1) * mask)
+
+
+def test_a_linen_model_that_needs_more_inputs_is_told_to_pass_its_own_steps(
+        tmp_path, one_device_mesh):
+    """fit's default step calls apply_fn(variables, inputs, train=True): a model with a second
+    input got Flax's raw "missing 1 required positional argument"."""
+    model, x = TwoInputs(), np.zeros((4, 8), np.float32)
+    params = model.init(jax.random.key(0), x, x, train=True)["params"]
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+    with pytest.raises(TypeError, match=r"^fit: the model needs arguments that fit does not "
+                                        r"pass") as info:
+        fit(state, [(x, np.zeros(4, np.int32))], loss_fn=loss_fn, workdir=str(tmp_path),
+            mesh=one_device_mesh, **QUIET)
+    assert "'mask'" in str(info.value), info.value
+    assert "own train_step(state, batch) -> (state, metrics)" in str(info.value), info.value
+
+
 class Unreadable:
     """A callable whose signature Python cannot read (as some C or wrapped callables)."""
     __signature__ = 1
