@@ -44,6 +44,7 @@ import collections.abc
 import contextlib
 import dataclasses
 import difflib
+import errno
 import functools
 import hashlib
 import inspect
@@ -54,11 +55,18 @@ import math
 import os
 import re
 import signal
+import socket
 import sys
+import threading
 import time
 import types
 import warnings
 from typing import Any
+
+try:
+    import fcntl  # (the run's lock; not on Windows)
+except ImportError:
+    fcntl = None
 
 import flax
 import jax
@@ -176,6 +184,9 @@ class Options:
             raise ValueError(f"fit: mesh must have a 'data' axis to shard batches over, got "
                              f"axes {self.mesh.axis_names}.")
 
+    def __repr__(self):  # (a jitted step's error prints it: not the user's optimizer or model)
+        return "<fit options>"
+
     def hparams_used(self, derived):
         """What TensorBoard's HParams tab shows: every option that is a plain value (not where
         the run is written or how it talks), what the run derived, and the user's `hparams`."""
@@ -210,7 +221,8 @@ def fit(state, train_ds, test_ds=None, **options):
     _check_schedule(state, opts, plan.total)
 
     # 4. Open the run: pick it, restore its checkpoint if it goes on, set up the hooks.
-    ckpts = _Checkpoints(opts, plan)
+    ckpts = _Checkpoints(opts, plan, [train.batch_size * jax.process_count(),
+                                      plan.steps_per_epoch])
     state, meta = ckpts.restore(state)
     step, epoch, position = int(jax.device_get(state.step)), meta["epoch"], meta["position"]
     hparams = opts.hparams_used({
@@ -267,12 +279,16 @@ def fit(state, train_ds, test_ds=None, **options):
             with meter.timed("finish"):  # the last save's commit: once a run, not steady work
                 ckpts.wait()
             state = run.end(state, step, epoch)
+            # A signal after the last step is honoured too, now that the checkpoint is committed.
+            late = signals.reason or ckpts.preempted() or signals.asked
     finally:
         ckpts.close()
         run.close()
     run.history.timing = meter.timing(step)
-    if run.stopping in ("SIGTERM", "preemption"):
+    if run.stopping in ("SIGTERM", "preemption") or late in ("SIGTERM", "preemption"):
         raise SystemExit(128 + signal.SIGTERM)  # 143: what schedulers expect after SIGTERM
+    if late == "SIGINT" and not run.stopping:  # the run was done: Ctrl-C stops the script
+        raise KeyboardInterrupt
     return finish(state), run.history
 
 
@@ -289,7 +305,9 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
     if optimizer is not None:
         raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its own "
                          "(tx).")
-    ckpt_dir = os.path.abspath(ckpt_dir)
+    if not isinstance(weights_only, bool):
+        raise TypeError(f"load_ckpt: weights_only must be True or False, got {weights_only!r}.")
+    ckpt_dir = os.path.abspath(os.path.expanduser(ckpt_dir))
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"load_ckpt: no checkpoint directory at {ckpt_dir}.")
     mgr = _open(ckpt_dir, ocp.CheckpointManagerOptions(create=False))
@@ -298,8 +316,9 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
         if not steps:
             raise FileNotFoundError(f"load_ckpt: {ckpt_dir} holds no complete checkpoint.")
         if step == "best":  # the best step that the latest checkpoint knows of
-            meta = mgr.restore(max(steps), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-            step = meta["meta"]["best_step"]
+            with _restoring(mgr, max(steps), "load_ckpt"):
+                step = mgr.restore(max(steps), args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore()))["meta"]["best_step"]
         step = max(steps) if step in (None, "last") else step
         if step not in steps:
             raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
@@ -737,11 +756,13 @@ class _Data:
             raise ValueError(f"fit: every array in a batch of {self.name} needs the same "
                              f"leading (batch) dimension; batch {index} has shapes "
                              f"{[a.shape for a in leaves]}.")
-        if self.spec is not None and not _same_shapes(batch, self.spec, but_batch=True):
+        if self.spec is not None and _kinds(batch) != _kinds(self.spec):
             given = [(a.shape, str(a.dtype)) for a in leaves]
             first = [(s.shape, str(s.dtype)) for s in jax.tree.leaves(self.spec)]
             raise ValueError(f"fit: batch {index} of {self.name} has shapes/dtypes {given}, "
-                             f"unlike the first batch's {first}; only the batch size may change.")
+                             f"unlike the first batch's {first}; batches may differ in their "
+                             f"sizes and lengths (each new shape compiles once), not in their "
+                             f"structure, dtypes or number of dimensions.")
         return batch
 
     def epoch(self, epoch, skip=0, data_state=None):
@@ -803,10 +824,16 @@ def _grouped(batches, k, step, max_steps=None):
     """Stacks runs of `k` equally shaped batches for `steps_per_jit`, starting at multiples of k
     in absolute steps, so a resumed run groups (and rounds) like the original; other batches run
     as single steps. Yields `(batch, position after it, steps)`."""
-    group = []
+    group, warned = [], False
     for batch, position in batches:
         if group and not _same_shapes(batch, group[0][0]):  # another shape ends the group:
             yield from ((b, p, 1) for b, p in group)  # its batches run as single steps
+            if not warned:
+                warnings.warn(f"fit: steps_per_jit={k} stacks runs of {k} batches of one shape, "
+                              f"but the shapes changed within a run at step {step + len(group)}"
+                              f"; such batches run one step a call. Order the data so that each "
+                              f"shape comes {k} batches at a time, or pass steps_per_jit=1.")
+                warned = True
             step, group = step + len(group), []
         starts = step % k == 0 and not (max_steps and step + k > max_steps)
         if k == 1 or not (group or starts):
@@ -820,12 +847,18 @@ def _grouped(batches, k, step, max_steps=None):
     yield from ((b, p, 1) for b, p in group)
 
 
-def _same_shapes(a, b, but_batch=False):
-    """Whether two batches have the same structure, dtypes and shapes (`but_batch`: the leading
-    dimension aside)."""
-    same = lambda x, y: x.shape[but_batch:] == y.shape[but_batch:] and x.dtype == y.dtype
+def _same_shapes(a, b):
+    """Whether two batches have the same structure, dtypes and shapes."""
+    same = lambda x, y: x.shape == y.shape and x.dtype == y.dtype
     return jax.tree.structure(a) == jax.tree.structure(b) and all(
         map(same, jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _kinds(batch):
+    """What every batch of a data set shares, whatever its size and lengths: the structure and
+    each array's dtype and number of dimensions (the compiled steps' cache key holds it)."""
+    return jax.tree.structure(batch), tuple((str(a.dtype), len(a.shape))
+                                            for a in jax.tree.leaves(batch))
 
 
 def _prefetch(batches, put, size=2):
@@ -939,10 +972,9 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
     """The steps of an earlier call with the same functions, optimizer (in the state's treedef),
     placement and batch shapes, so that JAX's compile cache serves them (a notebook cell run
     again compiles nothing); else new ones. At most 8 are kept."""
-    shapes = lambda tree: (jax.tree.structure(tree), tuple(jax.tree.leaves(tree)))
     key = (opts.train_step, opts.loss_fn, eval_step, forward, opts.lr_fn, opts.axis_name,
-           opts.on_nonfinite, opts.seed, opts.log_every, mesh, shapes(train.spec),
-           test and shapes(test.spec), jax.tree.structure(state),
+           opts.on_nonfinite, opts.seed, opts.log_every, mesh, _kinds(train.spec),
+           test and _kinds(test.spec), jax.tree.structure(state),
            tuple(x.sharding for x in jax.tree.leaves(state)))
     reuse = forward is _linen_forward  # (an nnx model's closures hold the model: never kept)
     try:
@@ -1118,6 +1150,11 @@ def _split_loss(out, who):
     An aux that is an array of logits (the NNX tutorial's loss_fn returns them, for metrics it
     computes elsewhere) is left out."""
     loss, metrics = out if isinstance(out, tuple) else (out, {})
+    if not hasattr(loss, "dtype") and not isinstance(loss, float):  # (a dict, a list, None)
+        raise TypeError(f"fit: {who} must return a scalar float loss, or a pair (loss, "
+                        f"{{name: metric}}), got {type(loss).__name__}"
+                        f"{f' with keys {sorted(loss)}' if isinstance(loss, dict) else ''}; e.g. "
+                        f"return loss, {{'loss': loss}}.")
     loss = jnp.asarray(loss)
     if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(f"fit: {who} must return a scalar float loss (or (loss, metrics)), got "
@@ -1186,6 +1223,7 @@ def _train_and_accumulate(step_fn, names, lr_of, opts, state, acc, batch):
     return new_state, {"sums": sums, "count": count.astype(jnp.int32)}
 
 
+_MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warns
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
 
 
@@ -1330,7 +1368,10 @@ class _Meter:
         # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
         self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
         self.pending, self.lr, self.logged, self.first_step = None, None, step, step
-        self.compiled, self.inflight, self.compile_shown = set(), collections.deque(), False
+        self.compiled, self.inflight, self.compile_shown = set(), collections.deque(), 0.0
+        # The batch shapes fed since the last log point, where they changed: processes compare
+        # them there (a mismatch would not hang: it would train silently wrong).
+        self.shape, self.changes, self.fed = None, [], step
         # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
         self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data")}
         self.spent_steps, self.data_logged = 0, 0.0
@@ -1339,7 +1380,11 @@ class _Meter:
     def train(self, steps, state, batch, k):
         """Dispatches one step (or k); only a new batch shape waits, to time its compile."""
         self.spent["data"][0] += time.perf_counter() - self.t_ready
-        shape = (k, jax.tree.leaves(batch)[0].shape)
+        shape = (k, *(a.shape for a in jax.tree.leaves(batch)))
+        if shape != self.shape:  # (length buckets: a new shape)
+            self.shape = shape
+            self.changes.append((self.fed, shape))
+        self.fed += k
         if shape in self.compiled:
             state, self.acc = steps.train(state, self.acc, batch, k)
         else:  # one wait per new shape, so compile time is kept out of the rate
@@ -1347,6 +1392,10 @@ class _Meter:
                 state, self.acc = jax.block_until_ready(steps.train(state, self.acc, batch, k))
                 self.param_norm(state)  # (the check before saves compiles here, not at a save)
             self.compiled.add(shape)
+            if len(self.compiled) == _MANY_SHAPES:
+                warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, "
+                              f"and each new shape compiles the step again; pad them to a few "
+                              f"lengths (buckets) instead.")
         # Keep the host at most two calls ahead, so it does not queue up batches.
         self.inflight.append(self.acc["count"])
         if len(self.inflight) > 2:
@@ -1363,6 +1412,11 @@ class _Meter:
             self.acc = self.acc0
         if not sync and log_due:
             self.pending = ready.pop()
+        if (sync or log_due) and jax.process_count() > 1:
+            fed = "; ".join(f"step {s + 1}: {shape[1:]}" for s, shape in self.changes)
+            _agree(fed or "no new shape", f"the processes fed batches of different shapes "
+                                          f"by step {step}")
+            self.changes = []
         logged = []
         for acc, at, log in ready:
             self._add(jax.device_get(acc), at)
@@ -1406,8 +1460,8 @@ class _Meter:
             means["perf/steps_per_s"] = rate
         waited = self.spent["data"][0] - self.data_logged
         means["perf/data_wait_fraction"] = waited / max(now - self.t_logged, 1e-9)
-        if self.spent["compile"][1] and not self.compile_shown:  # once: it is not a curve
-            means["perf/compile_s"], self.compile_shown = self.spent["compile"][0], True
+        if self.spent["compile"][0] > self.compile_shown:  # at first, then for each new shape
+            means["perf/compile_s"] = self.compile_shown = self.spent["compile"][0]
         self.logged, self.t_logged, self.data_logged = step, now, self.spent["data"][0]
         return [(step, means)]
 
@@ -1464,19 +1518,20 @@ class _Checkpoints:
     """The run's name and directories, its orbax manager, restore, saves and their wall-time
     schedule, and the errors of asynchronous saves. Nothing is made on disk before a save."""
 
-    def __init__(self, opts, plan):
-        workdir = probe = os.path.abspath(opts.workdir or os.getcwd())
+    def __init__(self, opts, plan, batching):
+        workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
         while not os.path.exists(probe):  # fail before any directory is made
             probe = os.path.dirname(probe)
         if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
             why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
             raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; "
                                   f"pass workdir= a directory you can write to.")
-        self.run, self.resumed = _pick_run(workdir, opts.log_name, opts.resume)
+        self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume)
         self.log_dir = os.path.join(workdir, "logs", self.run)
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
         self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, opts.max_to_keep
         self.interval, self.last_time, self.seed = opts.ckpt_interval, time.monotonic(), opts.seed
+        self.batching = batching  # [global batch size, batches per epoch or None]
         self.mgr, self.saved, self.good, self.calls = None, None, None, 0
 
     def restore(self, state):
@@ -1493,6 +1548,14 @@ class _Checkpoints:
             if saved.get("seed", self.seed) != self.seed:  # (its shuffles and random keys)
                 raise ValueError(f"fit: run {self.run} was trained with seed={saved['seed']}; "
                                  f"resume it with that seed, or start a fresh run.")
+            # (None: a checkpoint written before fit recorded it, or an unknown length)
+            was, now = saved.get("batching") or [None, None], self.batching
+            if any(a is not None and b is not None and a != b for a, b in zip(was, now)):
+                raise ValueError(f"fit: run {self.run} was trained with a global batch size of "
+                                 f"{was[0]} and {was[1]} batches per epoch; this call feeds "
+                                 f"{now[0]} and {now[1]}, so it would not go on where the run "
+                                 f"stopped. Resume it with its own batch size and data, or "
+                                 f"start a fresh run (resume=False).")
         except BaseException:
             self.close()  # (the manager's threads and fit's log filter end with it)
             raise
@@ -1533,9 +1596,14 @@ class _Checkpoints:
     def save(self, step, state, meta, value):
         self.wait()  # the previous save commits first (orbax would wait here too)
         with self._failure(step):
-            self.mgr.save(step, metrics=None if value is None else {self.monitor: value},
-                          args=ocp.args.Composite(state=ocp.args.StandardSave(_key_data(state)),
-                                                  meta=ocp.args.JsonSave(_jsonable(meta))))
+            saved = self.mgr.save(step, metrics=None if value is None else {self.monitor: value},
+                                  args=ocp.args.Composite(
+                                      state=ocp.args.StandardSave(_key_data(state)),
+                                      meta=ocp.args.JsonSave(_jsonable({**meta, "batching":
+                                                                        self.batching}))))
+            if not saved:  # (orbax refuses a step at or below the latest it lists)
+                raise RuntimeError(f"orbax refused to save step {step}: its latest step is "
+                                   f"{self.mgr.latest_step()}")
         self.saved, self.last_time = step, time.monotonic()
 
     def wait(self):
@@ -1552,18 +1620,24 @@ class _Checkpoints:
         except Exception as e:
             good = (f"the last good checkpoint is step {self.good}" if self.good is not None
                     else "no checkpoint of this run was written")
+            cause = _cause(e)
+            fix = "Free space" if os.strerror(errno.ENOSPC) in cause else "Fix the cause"
             raise OSError(f"fit: saving the checkpoint of step {step} to {self.ckpt_dir} "
-                          f"failed: {str(e).strip().splitlines()[0][:300]}. {good.capitalize()}, "
-                          f"and it is intact. Free space (or fix the cause), then call fit "
-                          f"again with resume=True to go on from it.") from e
+                          f"failed: {cause}. {good.capitalize()}, and it is intact. {fix}, then "
+                          f"call fit again with resume=True to go on from it.") from e
 
     def close(self):
         try:
             self.wait()  # raises errors of asynchronous saves, never loses them
         finally:
-            if self.mgr is not None:
-                self.mgr.close()
-            logging.getLogger("absl").removeFilter(_quiet_orbax)
+            try:
+                if self.mgr is not None:
+                    self.mgr.close()
+            finally:
+                logging.getLogger("absl").removeFilter(_quiet_orbax)
+                if self.lock is not None:  # the run is free for a resume
+                    self.lock.close()
+                    self.lock = None
 
 
 def _quiet_orbax(record):
@@ -1587,8 +1661,13 @@ def _restore(mgr, step, state, who, weights_only=False):
     weight = lambda path: not weights_only or name(path).split("/")[0] in ("params", "batch_stats")
     shapes = lambda tree: {name(path): tuple(x.shape) for path, x in
                            jax.tree_util.tree_leaves_with_path(tree) if weight(path)}
-    metadata = mgr.item_metadata(step)["state"]
-    stored, wanted = shapes(metadata), shapes(target)
+    try:
+        metadata = mgr.item_metadata(step)["state"]
+        stored, wanted = shapes(metadata), shapes(target)
+        if not stored:
+            raise ValueError("the state's metadata (state/_METADATA) is missing or empty")
+    except Exception as e:
+        raise _unrestorable(mgr, step, e, who) from None
     problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
                 + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
                 + [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
@@ -1608,13 +1687,68 @@ def _restore(mgr, step, state, who, weights_only=False):
                              metadata.tree, is_leaf=lambda x: hasattr(x, "shape"))
         weights = {k: getattr(target, k) for k in ("params", "batch_stats")
                    if k in saved and hasattr(target, k)}
-        out = mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore({**saved, **weights})))["state"]
+        with _restoring(mgr, step, who):
+            out = mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore({**saved, **weights})))["state"]
         return state.replace(**{k: jax.tree.map(as_before, out[k], getattr(state, k))
                                 for k in weights}), None
-    out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                    meta=ocp.args.JsonRestore()))
+    with _restoring(mgr, step, who):
+        out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                        meta=ocp.args.JsonRestore()))
+        if not (isinstance(out["meta"], dict) and "epoch" in out["meta"]):
+            raise ValueError(f"its meta item holds {str(out['meta'])[:80]}")
     return jax.tree.map(as_before, out["state"], state), out["meta"]
+
+
+@contextlib.contextmanager
+def _restoring(mgr, step, who):
+    """Any failure to read a checkpoint (a truncated file, a missing item, half a JSON file)
+    as one error that says what to do."""
+    try:
+        yield
+    except Exception as e:
+        raise _unrestorable(mgr, step, e, who) from None
+
+
+def _unrestorable(mgr, step, error, who):
+    """The error for a damaged checkpoint: its step, the cause in a line, the earlier steps
+    and how to go on from the latest of them."""
+    # Reads still in flight when the restore failed call back into orbax's closed event loop
+    # later, each printing a traceback after the caller has caught this error: hide those.
+    if not getattr(sys.unraisablehook, "fit_quiet", False):
+        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+    path = os.path.join(str(mgr.directory), str(step))
+    earlier = sorted(s for s in mgr.all_steps() if s < step)
+    go_on = (f"The run's earlier checkpoints: steps {earlier}. To go on from step {earlier[-1]}, "
+             f"move the damaged one aside (mv {path} {path}.damaged), then call fit again with "
+             f"resume=True (or load_ckpt(..., step={earlier[-1]}))" if earlier else
+             "It is the run's only checkpoint (fit keeps the latest and the max_to_keep best), "
+             "so there is none to go back to: start a fresh run")
+    return ValueError(f"{who}: the checkpoint of step {step} at {path} is damaged and cannot be "
+                      f"restored: {_cause(error)}. {go_on}.")
+
+
+def _quiet_closed_loop(hook):
+    def quiet(unraisable):
+        if not (unraisable.exc_type is RuntimeError and
+                str(unraisable.exc_value) == "Event loop is closed"):
+            hook(unraisable)
+    quiet.fit_quiet = True
+    return quiet
+
+
+def _cause(error):
+    """An exception and its chain in one line: the first line, cut at 200 characters, and an
+    operating system's error named anywhere in them (orbax's message says "No space left on
+    device" far past its first line)."""
+    chain = []
+    while error is not None and len(chain) < 8:
+        chain.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    whole, line = "\n".join(chain), chain[0].strip().splitlines()[0]
+    line = line if len(line) <= 200 else line[:200] + "..."
+    found = sorted((whole.find(m), m) for m in map(os.strerror, errno.errorcode) if m in whole)
+    return f"{line} ({found[0][1]})" if found and found[0][1] not in line else line
 
 
 def _key_data(tree):
@@ -1622,30 +1756,79 @@ def _key_data(tree):
     return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
-def _pick_run(workdir, log_name, resume):
-    """Run names are `<log_name>_<n>`: a fresh run takes the next free n, `resume=True` the
-    highest, `resume="<name>"` that run. Returns the name and whether it has a checkpoint to go
-    on from."""
-    def listed(*path):
-        path = os.path.join(workdir, *path)
-        return os.listdir(path) if os.path.isdir(path) else []
+def _claim_run(workdir, log_name, resume):
+    """Picks the run and claims it for this job: `(name, whether it has a checkpoint to go on
+    from, the lock)`. Run names are `<log_name>_<n>`: a fresh run takes the next free n,
+    `resume=True` the highest, `resume="<name>"` that run. Process 0 claims; the others get its
+    answer, or its refusal, so that every process raises the same error."""
+    answer, lock = ["", False, None, ""], None
+    if jax.process_index() == 0:
+        try:
+            name, restored, lock = _claim(workdir, log_name, resume)
+            answer = [name, restored, None, ""]
+        except (ValueError, RuntimeError) as e:
+            answer = ["", False, type(e).__name__, str(e)]
+    if jax.process_count() > 1:  # (a collective that every process reaches)
+        text = json.dumps(answer).encode()[:8192].ljust(8192)
+        text = multihost_utils.broadcast_one_to_all(np.frombuffer(text, np.uint8))
+        answer = json.loads(bytes(np.asarray(text)).decode())
+    name, restored, error, message = answer
+    if error:
+        raise (RuntimeError if error == "RuntimeError" else ValueError)(message)
+    return name, restored, lock
+
+
+def _claim(workdir, log_name, resume):
+    """A fresh run claims its directory with an exclusive mkdir (two processes started at once
+    get two runs), then every run takes an advisory lock for its life: a second writer of one
+    run is refused, and a writer that dies releases it (the kernel drops its locks)."""
+    root = os.path.join(workdir, "checkpoints")
+    listed = lambda path: os.listdir(path) if os.path.isdir(path) else []
+    runs = sorted(set(listed(os.path.join(workdir, "logs")) + listed(root)))
+    has_steps = lambda run: any(d.isdigit() for d in listed(os.path.join(root, run)))
     if isinstance(resume, str):  # (processes see one shared workdir, as orbax needs)
-        if resume not in listed("logs") + listed("checkpoints"):
-            known = sorted(set(listed("logs") + listed("checkpoints"))) or "none"
+        if resume not in runs:
             raise ValueError(f"fit: resume={resume!r} is not a run in {workdir}; its runs: "
-                             f"{known}. Pass one of them, or resume=True for the latest.")
-        return resume, any(d.isdigit() for d in listed("checkpoints", resume))
-    runs = [re.fullmatch(re.escape(log_name) + r"_(\d+)", e) for e in listed("logs") +
-            listed("checkpoints")]
-    taken = {int(m.group(1)) for m in runs if m}
-    n, restored = max(taken, default=0) + 1, False
+                             f"{runs or 'none'}. Pass one of them, or resume=True for the latest.")
+        return resume, has_steps(resume), _lock(os.path.join(root, resume))
+    taken = [int(m.group(1)) for m in map(re.compile(re.escape(log_name) + r"_(\d+)").fullmatch,
+                                          runs) if m]
     if resume and taken:  # the latest run: from its checkpoint, or afresh if it saved none
-        n = max(taken)
-        restored = any(d.isdigit() for d in listed("checkpoints", f"{log_name}_{n}"))
-    if jax.process_count() > 1:  # process 0's choice, by a collective that every process reaches
-        n, restored = (int(v) for v in multihost_utils.broadcast_one_to_all(
-            np.array([n, restored], np.int32)))
-    return f"{log_name}_{n}", bool(restored)
+        name = f"{log_name}_{max(taken)}"
+        return name, has_steps(name), _lock(os.path.join(root, name))
+    n = max(taken, default=0)
+    while True:  # the next n that no other process has claimed meanwhile
+        n += 1
+        os.makedirs(root, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(os.path.join(root, f"{log_name}_{n}"))
+            with contextlib.suppress(RuntimeError):  # (a resume of it, started at once, won)
+                return f"{log_name}_{n}", False, _lock(os.path.join(root, f"{log_name}_{n}"))
+
+
+def _lock(run_dir):
+    """An advisory lock on `<run_dir>/fit.lock`, held until fit closes it; it names its holder.
+    (`flock` holds on local disks and NFS; object-store mounts such as gcsfuse ignore it.)"""
+    if fcntl is None:  # (Windows: no lock)
+        return None
+    os.makedirs(run_dir, exist_ok=True)
+    lock = open(os.path.join(run_dir, "fit.lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        run = os.path.basename(run_dir)
+        raise RuntimeError(f"fit: run {run} is being written by {holder}, which holds "
+                           f"{os.path.join(run_dir, 'fit.lock')}; two writers would overwrite "
+                           f"each other's checkpoints. Wait for it to end, or train another run: "
+                           f"give each member of a sweep its own log_name (or resume=\"<run name>"
+                           f"\" to go on with one run each).") from None
+    lock.truncate(0)
+    lock.write(f"host {socket.gethostname()}, pid {os.getpid()}")
+    lock.flush()
+    return lock
 
 
 class _Signals:
@@ -1659,8 +1842,13 @@ class _Signals:
 
     def __enter__(self):
         sigs = [signal.SIGINT] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
-        with contextlib.suppress(ValueError):  # (off the main thread, Python installs none)
-            self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn("fit: called off the main thread, where Python lets no code catch "
+                          "signals: Ctrl-C and SIGTERM cannot stop this run with a checkpoint "
+                          "(SIGTERM kills it; resume=True goes on from its last checkpoint).",
+                          stacklevel=3)
+            return self
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
         return self
 
     def _handle(self, sig, frame):
@@ -1752,9 +1940,14 @@ def _check_data(train, test, opts, mesh):
             opts.steps_per_epoch or opts.max_steps):
         raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
                          "needs steps_per_epoch= or max_steps=, so all run the same steps.")
-    if jax.process_count() == 1:
-        return
-    mine = "; ".join(d.describe() for d in (train, test) if d is not None).encode()
+    if jax.process_count() > 1:
+        _agree("; ".join(d.describe() for d in (train, test) if d is not None),
+               "the processes' data disagree")
+
+
+def _agree(mine, what):
+    """Raises the same error in every process if their texts differ (a collective)."""
+    mine = mine.encode()
     # A digest to compare, then the text to show (cut to a fixed length, as a gather needs).
     row = np.frombuffer(hashlib.sha256(mine).digest() + mine[:2048].ljust(2048, b"\0"), np.uint8)
     rows = np.asarray(multihost_utils.process_allgather(row))
@@ -1762,7 +1955,7 @@ def _check_data(train, test, opts, mesh):
         return
     listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
                          for i, r in enumerate(rows))
-    raise ValueError(f"fit: the processes' data disagree:\n  {listed}\nEvery process must feed "
+    raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must feed "
                      f"the same number of batches of the same shapes (its share of each global "
                      f"batch), or the run hangs in a collective or trains on mismatched arrays.")
 
@@ -1838,6 +2031,10 @@ _RULES = {  # option: (error, is a value valid?, what it must be); None passes i
                "True, False or the name of a run"),
     "batch_keys": (ValueError, lambda v: isinstance(v, (tuple, list)) and len(v) == 2,
                    "a pair (inputs_key, targets_key)"),
+    "tensorboard": (TypeError, lambda v: isinstance(v, bool), "True or False"),
+    "workdir": (ValueError, lambda v: isinstance(v, (str, os.PathLike)) and not re.match(
+        r"[a-zA-Z][\w+.-]*://", str(v)), "a local directory (URLs such as gs://... are not "
+                "supported: use a mounted path)"),
     "log_name": (ValueError, lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]+", v),
                  "a non-empty name of letters, digits, '_', '-' or '.'"),
 }
@@ -1863,10 +2060,27 @@ def _state_shardings(state, opts, mesh):
     to_sharding = lambda s: s if isinstance(s, jax.sharding.Sharding) else NamedSharding(
         mesh, s or P())
     try:
-        return jax.tree.map(to_sharding, tree, is_leaf=is_leaf)
+        shardings = jax.tree.map(to_sharding, tree, is_leaf=is_leaf)
     except (ValueError, TypeError) as e:
         raise ValueError(f"fit: state_sharding must be a tree like the state (or a function of "
                          f"it) of PartitionSpecs or shardings: {e}") from None
+    if jax.tree.structure(shardings) != jax.tree.structure(state):  # (a prefix of the state)
+        return shardings
+    return jax.tree_util.tree_map_with_path(functools.partial(_on_mesh, mesh), state, shardings)
+
+
+def _on_mesh(mesh, path, x, sharding):
+    """A leaf that `state_sharding` leaves on one device of a larger mesh (`x.sharding` of an
+    array made there, as fit's own `rng` is) is replicated if it is a scalar or fit's `rng`; a
+    larger one would make every step fail on "incompatible devices": say which it is."""
+    if len(sharding.device_set) != 1 or mesh.size == 1:
+        return sharding
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    if np.ndim(x) == 0 or name == "rng":
+        return NamedSharding(mesh, P())
+    raise ValueError(f"fit: state_sharding puts {name} (shape {np.shape(x)}) on one device, "
+                     f"{next(iter(sharding.device_set))}, but the mesh has {mesh.size}; give it "
+                     f"a PartitionSpec (P() to replicate it) or a sharding over the mesh.")
 
 
 def _place_state(state, seed, sharding):
