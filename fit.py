@@ -38,7 +38,22 @@ What you supply
   The progress bar and TensorBoard are hooks.
 
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in that
-order. See README.md for every option.
+order, each opened by a banner comment. `help(Options)` lists every option. The map:
+
+    TrainState, Weighted, lr_schedule  public building blocks
+    Options                            every option, its default and its check
+    fit                                the story: check, place, build the steps, open the run, loop
+    load_ckpt, evaluate, History       the rest of the public API
+    EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
+    _Run, _end_epoch, _save, _evaluate the run as hooks see it; an epoch's end, a save, an eval
+    _Data, _grouped, _prefetch, _put   batches and their positions; steps_per_jit; placement
+    _Plan                              every period in steps; the monitor
+    _StepConfig, _build_steps          every jax.jit, built from what traced code reads, cached
+    _nnx_adapter                       nnx models as a TrainState
+    _Meter                             train metrics and time on the host, one step late
+    _Checkpoints, _claim_run, _restore the run's claim and lock; orbax; damaged checkpoints
+    _Signals                           SIGINT, SIGTERM, preemption
+    checks and helpers                 option rules, meshes, shardings, placing the state
 """
 import collections.abc
 import contextlib
@@ -85,6 +100,9 @@ __all__ = ["TrainState", "Weighted", "lr_schedule", "Options", "fit", "evaluate"
            "History", "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
 
 
+# ----------------------------------------------------------------------------------------------
+# Public building blocks, the options and fit.
+
 class TrainState(train_state.TrainState):
     """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the run's base
     key: step n draws its dropout key as `fold_in(rng, n)`, so randomness survives a resume.
@@ -127,7 +145,7 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
-    """Every option of `fit`, with its default; README.md's table says what each one does.
+    """Every option of `fit`, with its default; the comments below say what each one does.
     Building it checks every value, so a mistake fails before any work starts."""
     loss_fn: Any = None            # loss_fn(outputs, targets) -> loss or (loss, metrics)
     eval_step: Any = None          # eval_step(state, batch) -> scalar or {name: scalar}
@@ -205,7 +223,8 @@ def fit(state, train_ds, test_ds=None, **options):
     _check_state(state, opts)
     forward, eval_step, finish = _linen_forward, opts.eval_step, lambda state: state
     if _is_nnx(state):  # an nnx model trains as a TrainState of its variables
-        state, forward, eval_step, finish = _nnx_adapter(state, opts.optimizer, opts)
+        state, forward, eval_step, finish = _nnx_adapter(
+            state, opts.optimizer, nnx_loss_fn=opts.nnx_loss_fn, eval_step=opts.eval_step)
     mesh = _mesh(opts, state)
     train = _Data(train_ds, "train_ds", opts, train=True)
     test = None if test_ds is None else _Data(test_ds, "test_ds", opts, train=False)
@@ -215,23 +234,25 @@ def fit(state, train_ds, test_ds=None, **options):
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
-    steps = _build_steps(state, train, test, opts, mesh, forward, eval_step)
+    steps = _build_steps(state, train, test, _StepConfig.of(opts, forward, eval_step), mesh)
     plan = _Plan(opts, train, test, steps.train_names, steps.eval_names)
     verbose = _verbosity(opts.verbose)
     _check_schedule(state, opts, plan.total)
 
-    # 4. Open the run: pick it, restore its checkpoint if it goes on, set up the hooks.
-    ckpts = _Checkpoints(opts, plan, [train.batch_size * jax.process_count(),
-                                      plan.steps_per_epoch])
-    state, meta = ckpts.restore(state)
-    step, epoch, position = int(jax.device_get(state.step)), meta["epoch"], meta["position"]
-    hparams = opts.hparams_used({
-        "batch_size": train.batch_size * jax.process_count(), "devices": mesh.size,
-        "steps_per_epoch": plan.steps_per_epoch, "monitor": plan.monitor, "mode": plan.mode})
+    # 4. Open the run: claim it, restore its checkpoint if it goes on, set up the hooks.
+    batching = (train.batch_size * jax.process_count(), plan.steps_per_epoch)
+    base = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, batching=batching)
+    best = _Best(plan, opts.max_to_keep)
+    ckpts = _Checkpoints(opts, best, base)
+    state, progress = ckpts.restore(state)
+    step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
+    hparams = opts.hparams_used({"batch_size": batching[0], "devices": mesh.size,
+                                 "steps_per_epoch": plan.steps_per_epoch,
+                                 "monitor": plan.monitor, "mode": plan.mode})
     builtin = ([ProgressBar(verbose)] if verbose else []) + (
         [TensorBoard(hparams)] if opts.tensorboard and jax.process_index() == 0 else [])
-    run = _Run(builtin + list(opts.hooks), plan, ckpts, meta)
-    if plan.done(epoch, step) or plan.final(meta):
+    run = _Run(builtin + list(opts.hooks), plan, ckpts, best, progress)
+    if plan.done(epoch, step) or run.stopping:  # (run.stopping: a hook's stop, for good)
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
         return finish(run.end(state, step, epoch)), run.history
@@ -246,35 +267,32 @@ def fit(state, train_ds, test_ds=None, **options):
         with _Signals() as signals:
             ckpts.open()
             run.call("train_start", state, step, epoch)
-            meter = _Meter(steps, opts, meta["meter"], step)  # its clock starts here
-            evaluate = functools.partial(_evaluate, steps, test, put,
-                                         functools.partial(meter.timed, "eval"))
-            save = functools.partial(_save, ckpts, meter, run, opts)
+            meter = _Meter(steps, opts, progress.meter, step)  # its clock starts here
+            evaluate = functools.partial(_evaluate, steps, test, put, meter)
+            end_epoch = functools.partial(_end_epoch, run=run, meter=meter, plan=plan,
+                                          evaluate=evaluate)
+            save = functools.partial(_save, base=base, run=run, meter=meter, ckpts=ckpts,
+                                     verbose=verbose)
             while not (run.stopping or plan.done(epoch, step)):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
                                    opts.max_steps)
-                k = last = 0
                 for batch, position, k, last in _prefetch(batches, put):
-                    state = meter.train(steps, state, batch, k)
+                    state = meter.train(steps, state, batch, k)  # dispatch step n ...
                     step += k
-                    logged = meter.read(step, plan.due("log", step, k))
-                    run.log(state, step, epoch, logged, ckpts.overdue, signals.asked)
+                    logged = meter.read(step, plan.due("log", step, k))  # ... read step n-1
+                    run.log(state, epoch, logged, save=ckpts.overdue(), stop=signals.asked)
                     if plan.due("eval", step, k):
                         run.evaluate(state, step, epoch, evaluate(state))
                     run.stopping = run.stopping or signals.reason or ckpts.preempted()
-                    if last or run.stopping or plan.done(epoch, step):
-                        break  # (the save of this step comes after the epoch's end, if any)
+                    cut = plan.done(epoch, step) and not (last or run.stopping)  # by max_steps
+                    if last or cut:  # the epoch's end comes before the save of its last step
+                        end_epoch(state, step, epoch, complete=last)
+                    if last:
+                        epoch, position = epoch + 1, (0, None)
+                    if run.stopping or plan.done(epoch, step):
+                        break
                     if run.save or plan.due("ckpt", step, k):
                         save(state, step, epoch, position)
-                if not k:
-                    raise ValueError(f"fit: train_ds yielded no batches in epoch {epoch + 1}; "
-                                     f"pass a re-iterable (a list, a loader) or steps_per_epoch=.")
-                if last or not run.stopping:  # its end, or max_steps ended the run inside it
-                    _end_epoch(run, meter, plan, evaluate, ckpts.overdue, state, step, epoch, last)
-                if last:
-                    epoch, position = epoch + 1, (0, None)
-                if run.stopping or run.save or plan.due("ckpt", step, k):
-                    save(state, step, epoch, position)
             save(state, step, epoch, position)  # always: at the end and on every stop
             with meter.timed("finish"):  # the last save's commit: once a run, not steady work
                 ckpts.wait()
@@ -291,6 +309,9 @@ def fit(state, train_ds, test_ds=None, **options):
         raise KeyboardInterrupt
     return finish(state), run.history
 
+
+# ----------------------------------------------------------------------------------------------
+# The rest of the public API: restoring, evaluating, the history.
 
 def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
     """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`).
@@ -340,19 +361,30 @@ def evaluate(state, ds, eval_step=None, **options):
     """The metrics of `state` (a TrainState, or an nnx model) over all of `ds`, `{name: value}`:
     the same exact, sharded, weighted eval that `fit` runs. `options`: those of `fit` that concern
     the data and the placement (`batch_size`, `batch_keys`, `eval_steps`, `mesh`,
-    `state_sharding`, ...); without `eval_step`, `loss_fn` or `nnx_loss_fn` gives the loss."""
+    `state_sharding`, ...); without `eval_step`, `loss_fn` or `nnx_loss_fn` gives the loss.
+    A TrainState's optimizer state stays where it is (eval does not read it), and a second call
+    with the same functions and kinds of batches compiles nothing; an nnx model compiles anew."""
     opts = Options.of({**options, "eval_step": eval_step})
     forward = _linen_forward
     if _is_nnx(state):
-        state, forward, eval_step, _ = _nnx_adapter(state, opts.optimizer, opts, "evaluate")
-    mesh = _mesh(opts, state)
+        state, forward, eval_step, _ = _nnx_adapter(state, opts.optimizer, "evaluate",
+                                                    nnx_loss_fn=opts.nnx_loss_fn,
+                                                    eval_step=eval_step)
+    lean = lambda s: s.replace(opt_state=None) if hasattr(s, "opt_state") else s
+    if hasattr(opts.state_sharding, "opt_state"):  # (a tree like the state: the same, lean)
+        opts = dataclasses.replace(opts, state_sharding=lean(opts.state_sharding))
+    mesh, state = _mesh(opts, state), lean(state)
     test = _Data(ds, "ds", opts, train=False)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
-    eval_fn, names = _eval_step(state, test, opts, mesh, forward, eval_step)
+    config = _StepConfig.of(opts, forward, eval_step)
+    key = ("eval", config, mesh, _kinds(test.spec), jax.tree.structure(state),
+           tuple(x.sharding for x in jax.tree.leaves(state)))
+    eval_fn, names = _cached(key, forward is _linen_forward,
+                             lambda: _eval_step(state, test, config, mesh))
     eval0 = jax.device_put(np.zeros(2 * len(names) + 1, np.float32), NamedSharding(mesh, P()))
     steps = _Steps(None, eval_fn, None, None, eval0, [], [], names, False)
     put = functools.partial(_put, mesh, opts.axis_name or "data")
-    return _evaluate(steps, test, put, contextlib.nullcontext, state)
+    return _evaluate(steps, test, put, None, state)
 
 
 class History(dict):
@@ -361,6 +393,9 @@ class History(dict):
     (seconds spent compiling, evaluating and saving, and the steady rate without them)."""
     run = log_dir = ckpt_dir = timing = None
 
+
+# ----------------------------------------------------------------------------------------------
+# Hooks: hook(event, run). The progress bar and TensorBoard are hooks too.
 
 class EarlyStopping:
     """A hook that stops when fit's `monitor` (the metric that picks the best checkpoint) has not
@@ -514,36 +549,46 @@ class TensorBoard:
 
 
 # ----------------------------------------------------------------------------------------------
-# Private parts, in the order fit uses them. First the run as hooks see it.
+# The run as hooks see it (_Run: the hooks' calls, the history, the best so far), the end of
+# an epoch, a save, an eval. The private parts follow in the order fit uses them.
 
 class _Run:
     """What a hook sees: `event`, `step`, `epoch`, `state` (valid during the call only: the next
     step donates it), `metrics`, `history`, `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`,
     `writer`, `total_steps`, `num_epochs`, `stopped_early`, `interrupted`; what it may set:
-    `stop`, `save`, and at train_end `state`. It also keeps the history and the best."""
+    `stop`, `save`, and at train_end `state`. At `log`, `step` is the log step whose interval
+    `metrics` covers and `state` is one call later (after step + 1, or the next steps_per_jit
+    group): fit reads a log point's metrics after it dispatches the next step, so that the host
+    never waits for the device, and the log step's own state has been donated by then. At every
+    other event `state` is the state of `step`. `_Run` calls the hooks, keeps the history, and
+    makes several processes agree on what the hooks and signals ask for."""
 
-    def __init__(self, hooks, plan, ckpts, meta):
-        self.hooks, self.monitor, self.mode = hooks, plan.monitor, plan.mode
+    def __init__(self, hooks, plan, ckpts, best, progress):
+        self.hooks, self.best_of, self.hook_states = hooks, best, progress.hooks
+        best.go_on(progress)
         self.total_steps, self.num_epochs = plan.total, plan.num_epochs
+        self.monitor, self.mode = best.monitor, best.mode
         self.log_dir, self.ckpt_dir, self.writer = ckpts.log_dir, ckpts.ckpt_dir, None
-        self.history = History(meta["history"])
+        self.history = History(progress.history)
         self.history.run, self.history.log_dir, self.history.ckpt_dir = (
             ckpts.run, ckpts.log_dir, ckpts.ckpt_dir)
-        self.best, self.best_step, self.top = meta["best"], meta["best_step"], meta["top"]
-        self.hook_states, self.max_to_keep = meta["hooks"], ckpts.max_to_keep
-        self.stopping = meta["stop"] if plan.final(meta) else None
+        self.stopping = progress.stop if progress.final(plan.num_epochs, plan.max_steps) else None
         self.stopped_early = self.interrupted = self.stop = self.save = False
         self.event = self.step = self.epoch = self.state = None
-        self.metrics, self.latest, self.last_eval = {}, {}, None
+        self.metrics, self.last_eval = {}, None
 
-    def call(self, event, state, step, epoch, metrics=None, save=False, stop=None):
+    @property
+    def best(self):
+        return self.best_of.value
+
+    def call(self, event, state, step, epoch, *, metrics=None, save=False, stop=None):
         """Calls every hook with (event, run), then takes what they asked for. With several
         processes, a stop or save that any process asks for (a hook, a signal: `stop`) holds
         for all, so that every process agrees on what comes next."""
         self.event, self.state, self.step, self.epoch = event, state, step, epoch
         self.metrics, self.stop, self.save = metrics or {}, False, self.save or save
         self.stopping = self.stopping or stop
-        self.latest.update({k: (v, step) for k, v in self.metrics.items()})
+        self.best_of.see(self.metrics, step)
         for i, hook in enumerate(self.hooks):
             hook(event, self)
             if self.stop and not self.stopping:
@@ -560,41 +605,23 @@ class _Run:
                 self.stopping = "SIGINT" if most == 1 else "a hook on another process"
         return self.state
 
-    def log(self, state, step, epoch, logged, overdue=lambda: False, stop=None):
+    def log(self, state, epoch, logged, *, save=False, stop=None):
         """The log events of the intervals `_Meter.read` returned; the wall-time checkpoint
-        schedule (`overdue`) and a signal's stop on one of several processes (`stop`) are
-        decided here, at log points only."""
+        schedule (`save`) and a signal's stop on one of several processes (`stop`) are decided
+        at log points only."""
         for at, metrics in logged:
-            self.call("log", state, at, epoch, metrics, save=overdue(), stop=stop)
+            self.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
+
+    def record(self, row, *items):
+        for name, value in [*items, *row.items()]:
+            self.history.setdefault(name, []).append(value)
 
     def evaluate(self, state, step, epoch, results):
         self.last_eval = step
         metrics = {f"eval/{k}": v for k, v in results.items()}
-        for name, value in [("eval/epoch", epoch + 1), ("eval/step", step), *metrics.items()]:
-            self.history.setdefault(name, []).append(value)
-        self.track(metrics.get(self.monitor), step)
-        self.call("eval", state, step, epoch, metrics)
-
-    def track(self, value, step):
-        """Follows the best monitored value; an eval that enters the kept best is saved."""
-        if value is None:
-            return
-        better = lambda a, b: a >= b if self.mode == "max" else a <= b
-        # A tie moves the best to the later step: orbax's BestN keeps the later of equal ones.
-        if self.best is None or better(value, self.best):
-            self.best, self.best_step = value, step
-        if self.monitor.startswith("eval/") and (
-                len(self.top) < self.max_to_keep or better(value, self.top[-1])):
-            self.save = True
-
-    def rank(self, step):
-        """The monitored value to rank a checkpoint of `step` by (an eval's only if it judged this
-        very state), recorded among the kept best; None: it is kept as the last, not a best."""
-        value, at = self.latest.get(self.monitor, (None, None))
-        if value is None or (self.monitor.startswith("eval/") and at != step):
-            return None
-        self.top = sorted(self.top + [value], reverse=self.mode == "max")[:self.max_to_keep]
-        return value
+        self.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
+        self.save = self.best_of.track(metrics, step) or self.save
+        self.call("eval", state, step, epoch, metrics=metrics)
 
     def end(self, state, step, epoch):
         """The train_end hooks; EarlyStopping may swap in the best state here. A run that was
@@ -611,53 +638,148 @@ class _Run:
                 hook("train_end", self)
 
 
-def _end_epoch(run, meter, plan, evaluate, overdue, state, step, epoch, complete):
+class _Best:
+    """The one owner of the best checkpoint: the monitored metric and its mode, the best value
+    so far and its step, the values of the `max_to_keep` best checkpoints (`top`), the value a
+    save is ranked by, and what orbax keeps."""
+
+    def __init__(self, plan, max_to_keep):
+        self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, max_to_keep
+        self.value = self.step = None
+        self.top, self.seen = [], (None, None)  # (seen: the latest monitored value, its step)
+        self.better = lambda a, b: a >= b if self.mode == "max" else a <= b
+
+    def go_on(self, progress):
+        """Where a resumed run left its best."""
+        self.value, self.step, self.top = progress.best, progress.best_step, list(progress.top)
+
+    def see(self, metrics, step):
+        if self.monitor in metrics:
+            self.seen = (metrics[self.monitor], step)
+
+    def track(self, metrics, step):
+        """Follows the best monitored value; True: an eval that enters the kept best, to save."""
+        value = metrics.get(self.monitor)
+        if value is None:
+            return False
+        # A tie moves the best to the later step: orbax's BestN keeps the later of equal ones.
+        if self.value is None or self.better(value, self.value):
+            self.value, self.step = value, step
+        return self.monitor.startswith("eval/") and (
+            len(self.top) < self.max_to_keep or self.better(value, self.top[-1]))
+
+    def rank(self, step):
+        """The monitored value to rank a checkpoint of `step` by (an eval's only if it judged this
+        very state), recorded among the kept best; None: it is kept as the last, not a best."""
+        value, at = self.seen
+        if value is None or (self.monitor.startswith("eval/") and at != step):
+            return None
+        self.top = sorted(self.top + [value], reverse=self.mode == "max")[:self.max_to_keep]
+        return value
+
+    def manager_options(self):
+        """What orbax keeps: the latest checkpoint and the `max_to_keep` best. (`best_fn` with
+        `max_to_keep` alone would delete the latest, and keep saves without metrics forever.)"""
+        policies, metric = ocp.checkpoint_managers, lambda m: m[self.monitor]
+        policy = policies.AnyPreservationPolicy([policies.LatestN(1), policies.BestN(
+            get_metric_fn=metric, reverse=self.mode == "min", n=self.max_to_keep,
+            keep_checkpoints_without_metrics=False)])
+        # best_fn as well: orbax 0.12 writes a step's metrics to disk only with it, and a
+        # manager opened to resume reads them back; without them BestN took the earlier
+        # runs' best for a save without metrics and deleted it at the first new save.
+        return dict(preservation_policy=policy, best_fn=metric, best_mode=self.mode)
+
+
+@dataclasses.dataclass
+class _Progress:
+    """What a checkpoint holds besides the state: all that a resume needs to go on exactly, the
+    JSON item `meta`. Its fields and defaults are here, and so are its reader (a field that an
+    older checkpoint lacks takes its default), its writer and the checks on resume."""
+    epoch: int = 0
+    position: Any = (0, None)  # batches done in the epoch, the data iterator's state after them
+    meter: Any = None          # the train metrics' sums (_Meter.sums)
+    history: Any = dataclasses.field(default_factory=lambda: {"epoch": [], "step": []})
+    best: Any = None           # the best monitored value, its step, the kept best values
+    best_step: Any = None
+    top: Any = dataclasses.field(default_factory=list)
+    hooks: Any = dataclasses.field(default_factory=dict)  # get_state() of hooks, by position
+    stop: Any = None           # a hook's stop, which is final (a signal's stop is resumable)
+    target: Any = (None, None)  # num_epochs and max_steps of the call that wrote it
+    seed: Any = None
+    batching: Any = (None, None)  # the global batch size and the batches per epoch
+
+    @classmethod
+    def read(cls, meta):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in meta.items() if k in names})
+
+    def write(self):
+        return _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def check(self, run, seed, batching):
+        """Whether this call goes on where the run stopped: the same seed (its shuffles and
+        keys) and batching (None: a checkpoint that did not record it, or an unknown length)."""
+        if self.seed is not None and self.seed != seed:
+            raise ValueError(f"fit: run {run} was trained with seed={self.seed}; resume it with "
+                             f"that seed, or start a fresh run.")
+        if any(a is not None and b is not None and a != b for a, b in zip(self.batching,
+                                                                           batching)):
+            raise ValueError(f"fit: run {run} was trained with a global batch size of "
+                             f"{self.batching[0]} and {self.batching[1]} batches per epoch; this "
+                             f"call feeds {batching[0]} and {batching[1]}, so it would not go on "
+                             f"where the run stopped. Resume it with its own batch size and "
+                             f"data, or start a fresh run (resume=False).")
+
+    def final(self, num_epochs, max_steps):
+        """Whether a hook ended the run for good: it goes on only if asked to go further."""
+        epochs, steps = self.target
+        return bool(self.stop) and num_epochs <= epochs and (
+            (max_steps or math.inf) <= (steps or math.inf))
+
+
+def _end_epoch(state, step, epoch, *, complete, run, meter, plan, evaluate):
     """An epoch's end: its last log interval, its means in the history, the epoch_end hooks,
     then an eval if one is due. `complete=False`: max_steps ended the run inside the epoch."""
-    run.log(state, step, epoch, meter.read(step, log_due=True, sync=True), overdue)
+    run.log(state, epoch, meter.read(step, log_due=True, sync=True))
     row = meter.means("epoch", reset=complete)  # (a cut epoch's sums go on after a resume)
-    for name, value in [("epoch", epoch + 1), ("step", step), *row.items()]:
-        run.history.setdefault(name, []).append(value)
-    run.track(row.get(plan.monitor), step)  # (an eval/ monitor is not in the row: no-op)
-    run.call("epoch_end", state, step, epoch, row)
+    run.record(row, ("epoch", epoch + 1), ("step", step))
+    run.best_of.track(row, step)  # (an eval/ monitor is not in the row: no-op)
+    run.call("epoch_end", state, step, epoch, metrics=row)
     last = plan.done(epoch + complete, step)
     if plan.eval_at_epoch_end(epoch + 1, last) and run.last_eval != step:
         run.evaluate(state, step, epoch, evaluate(state))
 
 
-def _save(ckpts, meter, run, opts, state, step, epoch, position):
-    """Writes a checkpoint of this step, asynchronously, with all the rest of the run depends on.
-    Reading the metrics and checking the parameters first: a NaN state is never written."""
+def _save(state, step, epoch, position, *, base, run, meter, ckpts, verbose):
+    """Writes a checkpoint of this step, asynchronously, with all the rest of the run depends on
+    (`base`: the `_Progress` fields of the call, the rest is filled in here). Reading the metrics
+    and checking the parameters first: a NaN state is never written."""
     if step == ckpts.saved:
         return
-    run.log(state, step, epoch, meter.read(step, log_due=False, sync=True))
+    run.log(state, epoch, meter.read(step, log_due=False, sync=True))
     with meter.timed("save"):  # (the check, the hooks and orbax's blocking part)
         meter.check(step, None, state)
         run.call("save", state, step, epoch)
         if run.stopping:
             run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
-        value = run.rank(step)  # (first: the kept best that the checkpoint records include it)
-        ckpts.save(step, state, _meta(run, meter, opts, epoch, position), value)
+        best, value = run.best_of, run.best_of.rank(step)  # (first: the record holds it)
+        progress = dataclasses.replace(
+            base, epoch=epoch, position=position if position[0] else (0, None), meter=meter.sums,
+            history=run.history, best=best.value, best_step=best.step, top=best.top,
+            stop=None if run.stopping in _SIGNALS else run.stopping,
+            hooks={str(i): h.get_state() for i, h in enumerate(run.hooks)
+                   if hasattr(h, "get_state")})
+        ckpts.save(step, state, progress, value)
     run.save = False
     if run.stopping in _SIGNALS:
-        _say(_verbosity(opts.verbose), f"fit: stopped by {run.stopping} at step {step}; "
-                                       f"checkpoint saved, continue with resume=True.")
+        _say(verbose, f"fit: stopped by {run.stopping} at step {step}; checkpoint saved, "
+                      f"continue with resume=True.")
 
 
-def _meta(run, meter, opts, epoch, position):
-    """What a checkpoint holds besides the state: all that a resume needs to go on exactly."""
-    final = None if run.stopping in _SIGNALS else run.stopping  # a hook's stop is for good
-    hooks = {str(i): h.get_state() for i, h in enumerate(run.hooks) if hasattr(h, "get_state")}
-    return {"epoch": epoch, "position": position if position[0] else (0, None),
-            "meter": meter.sums, "history": run.history, "best": run.best,
-            "best_step": run.best_step, "top": run.top, "hooks": hooks,
-            "stop": final, "target": [opts.num_epochs, opts.max_steps], "seed": opts.seed}
-
-
-def _evaluate(steps, test, put, timed, state):
+def _evaluate(steps, test, put, meter, state):
     """Metrics over the whole eval set: their totals and weights, summed on device and read once
-    at the end."""
-    with timed():
+    at the end (`meter`: the clock that leaves evals out of the train rate, or None)."""
+    with meter.timed("eval") if meter else contextlib.nullcontext():
         acc = steps.eval0
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), put):
             acc = steps.eval(state, acc, batch)
@@ -669,6 +791,10 @@ def _evaluate(steps, test, put, timed, state):
     return {k: _mean(k, total, weight, "eval_step", "the eval set")
             for k, total, weight in zip(steps.eval_names, sums[:m], sums[m:])}
 
+
+# ----------------------------------------------------------------------------------------------
+# Data: batches from arrays, re-iterables and one-shot iterators, with their positions for a
+# resume; steps_per_jit's groups; prefetch and placement on the devices.
 
 _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
 
@@ -785,9 +911,12 @@ class _Data:
             pairs = ((raw, None) for raw in itertools.islice(self.ds, drop, None))
         else:
             pairs = self._positioned(epoch, skip, data_state)
-        limit = self.steps_per_epoch - skip if self.steps_per_epoch else None
-        for i, (raw, position) in enumerate(itertools.islice(pairs, limit), skip):
-            yield self._convert(raw, i), (i + 1, position)
+        limit, done = self.steps_per_epoch - skip if self.steps_per_epoch else None, skip
+        for done, (raw, position) in enumerate(itertools.islice(pairs, limit), skip + 1):
+            yield self._convert(raw, done - 1), (done, position)
+        if done == skip and self.shuffle:  # (train_ds; an empty eval says so itself)
+            raise ValueError(f"fit: {self.name} yielded no batches in epoch {epoch + 1}; pass a "
+                             f"re-iterable (a list, a loader) or steps_per_epoch=.")
 
     def _positioned(self, epoch, skip, data_state):
         """A re-iterable's batches, each with the iterator's state right after it: where a
@@ -891,6 +1020,9 @@ def _put(mesh, data_axis, batch, stacked=False):
     return jax.device_put(batch, sharding)
 
 
+# ----------------------------------------------------------------------------------------------
+# The plan: every period converted to steps once; the monitor and its mode.
+
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
 
@@ -916,12 +1048,6 @@ class _Plan:
 
     def done(self, epoch, step):
         return epoch >= self.num_epochs or bool(self.max_steps and step >= self.max_steps)
-
-    def final(self, meta):
-        """Whether a hook ended the run for good: it goes on only if asked to go further."""
-        epochs, max_steps = meta["target"]
-        return bool(meta["stop"]) and self.num_epochs <= epochs and (
-            (self.max_steps or math.inf) <= (max_steps or math.inf))
 
     def _check_one_shot(self, train, test, opts):
         fix = ("pass a re-iterable (a list, a loader, arrays (x, y) with batch_size=), "
@@ -961,35 +1087,49 @@ def _pick_monitor(monitor, mode, train_names, eval_names):
     return monitor, mode
 
 
+# ----------------------------------------------------------------------------------------------
+# The compiled steps: every jax.jit of a run, built from _StepConfig and the user's functions,
+# and cached by them; the default train step and the on-device bookkeeping.
+
+@dataclasses.dataclass(frozen=True)
+class _StepConfig:
+    """Exactly what traced code reads: the jitted steps are built from it and the user's
+    functions, never from `Options`, and the compiled steps are cached by it, so an option that a
+    step comes to read cannot be left out of the cache's key."""
+    forward: Any          # how fit calls the model: _linen_forward, or an nnx model's own
+    loss_fn: Any          # loss_fn(outputs, targets), given to forward (nnx_loss_fn: forward's)
+    loss_name: str        # "loss_fn" or "nnx_loss_fn", for messages
+    train_step: Any
+    eval_step: Any
+    lr_fn: Any
+    seed: int
+    log_every: int
+    axis_name: str | None
+    skip: bool            # on_nonfinite="skip"
+
+    @classmethod
+    def of(cls, opts, forward, eval_step):
+        return cls(forward, opts.loss_fn, _loss_name(opts), opts.train_step, eval_step,
+                   opts.lr_fn, opts.seed, opts.log_every, opts.axis_name,
+                   opts.on_nonfinite == "skip")
+
+
 _Steps = collections.namedtuple("_Steps", "train eval param_norm acc0 eval0 acc_names "
                                           "train_names eval_names lr_known")  # (_build_steps)
 
 
-_STEPS = collections.OrderedDict()  # the compiled steps of the last few runs (_build_steps)
+_STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
 
 
-def _build_steps(state, train, test, opts, mesh, forward, eval_step):
-    """The steps of an earlier call with the same functions, optimizer (in the state's treedef),
-    placement and batch shapes, so that JAX's compile cache serves them (a notebook cell run
-    again compiles nothing); else new ones. At most 8 are kept."""
-    key = (opts.train_step, opts.loss_fn, eval_step, forward, opts.lr_fn, opts.axis_name,
-           opts.on_nonfinite, opts.seed, opts.log_every, mesh, _kinds(train.spec),
-           test and _kinds(test.spec), jax.tree.structure(state),
-           tuple(x.sharding for x in jax.tree.leaves(state)))
-    reuse = forward is _linen_forward  # (an nnx model's closures hold the model: never kept)
-    try:
-        hash(key)
-    except TypeError:  # (a function or an optimizer that cannot be a key)
-        reuse = False
-    if reuse and key in _STEPS:
-        _STEPS.move_to_end(key)
-        steps = _STEPS[key]
-    else:
-        steps = _new_steps(state, train, test, opts, mesh, forward, eval_step)
-        if reuse:
-            _STEPS[key] = steps
-            if len(_STEPS) > 8:  # the least recently used goes
-                _STEPS.popitem(last=False)
+def _build_steps(state, train, test, config, mesh):
+    """The steps of an earlier call with the same `_StepConfig` (the functions and what traced
+    code reads), optimizer (in the state's treedef), placement and kinds of batches, so that
+    JAX's compile cache serves them (a notebook cell run again compiles nothing); else new ones.
+    At most 8 are kept."""
+    key = (config, mesh, _kinds(train.spec), test and _kinds(test.spec),
+           jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
+    reuse = config.forward is _linen_forward  # (nnx closures hold the model: never kept)
+    steps = _cached(key, reuse, lambda: _new_steps(state, train, test, config, mesh))
     replicated = NamedSharding(mesh, P())
     # The sums start from zeros made here, not kept with the steps: a finished run leaves no array.
     acc0 = {"sums": np.zeros(2 * len(steps.acc_names) + 4, np.float32),
@@ -999,36 +1139,54 @@ def _build_steps(state, train, test, opts, mesh, forward, eval_step):
                           eval0=jax.device_put(eval0, replicated) if steps.eval else None)
 
 
-def _new_steps(state, train, test, opts, mesh, forward, eval_step):
+def _cached(key, reuse, build):
+    """What `build()` made for an earlier call with an equal `key`, else `build()`, kept while
+    it is among the 8 most recently used (`reuse`: it may be kept at all)."""
+    try:
+        hash(key)
+    except TypeError:  # (a function or an optimizer that cannot be a key)
+        reuse = False
+    if reuse and key in _STEPS:
+        _STEPS.move_to_end(key)
+        return _STEPS[key]
+    value = build()
+    if reuse:
+        _STEPS[key] = value
+        if len(_STEPS) > 8:  # the least recently used goes
+            _STEPS.popitem(last=False)
+    return value
+
+
+def _new_steps(state, train, test, config, mesh):
     """Every jax.jit of the run, built once: the train step (alone, and as a scan over
     `steps_per_jit` stacked batches) and the eval step, each summing its metrics on device. The
     user's step is traced once (jax.eval_shape) for its metric names, before any compile, and
     jitted on its own so that the real call reuses that trace (a model's trace costs 0.1-0.2 s)."""
-    replicated = NamedSharding(mesh, P())
-    who = "train_step" if opts.train_step else _loss_name(opts)
-    step_fn = opts.train_step or _default_train_step(forward, opts.loss_fn, opts)
-    if opts.train_step and _takes_three(opts.train_step):  # train_step(state, batch, rng)
-        step_fn = lambda state, batch: opts.train_step(state, batch, _step_key(state, opts.seed))
-    if opts.axis_name:  # the step runs per device; the default step averages over the devices
-        step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(opts.axis_name)),
+    replicated, user_step, seed = NamedSharding(mesh, P()), config.train_step, config.seed
+    who = "train_step" if user_step else config.loss_name
+    step_fn = user_step or _default_train_step(config)
+    if user_step and _takes_three(user_step):  # train_step(state, batch, rng)
+        step_fn = lambda state, batch: user_step(state, batch, _step_key(state, seed))
+    if config.axis_name:  # the step runs per device; the default step averages over the devices
+        step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(config.axis_name)),
                                 out_specs=(P(), P()), check_vma=False)
     step_fn = jax.jit(_under(mesh, step_fn))
     fix = ("train_step(state, batch) -> (state, metrics) and eval_step(state, batch)"
-           if forward is _linen_forward else
+           if config.forward is _linen_forward else
            "nnx_loss_fn(model, batch, rngs) and eval_step(model, batch)")
-    fix = None if opts.train_step or opts.nnx_loss_fn else fix  # (else: fit calls the model)
-    traced = _metric_names(_trace(step_fn, state, train.spec, opts, fix)[1], who, "loss")
+    fix = None if user_step or config.loss_name == "nnx_loss_fn" else fix  # (fit calls it)
+    traced = _metric_names(_trace(step_fn, state, train.spec, config, fix)[1], who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
     # The learning rate a step used, read from the state after it: lr_fn of the step's number,
     # or what optax's inject_hyperparams stored in the optimizer state.
     is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
     lr_of = lambda s: optax.tree.get(s.opt_state, "learning_rate", filtering=is_array)
-    if opts.lr_fn is not None:
-        lr_of = lambda s: opts.lr_fn(s.step - 1)
+    if config.lr_fn is not None:
+        lr_of = lambda s, lr_fn=config.lr_fn: lr_fn(s.step - 1)
     elif lr_of(state) is None:
         lr_of = None
-    one = functools.partial(_train_and_accumulate, step_fn, tuple(names), lr_of, opts)
+    one = functools.partial(_train_and_accumulate, _Train(step_fn, tuple(names), lr_of, config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
     # k steps per call: a scan over a stacked group of k batches. XLA's CPU backend runs a rolled
@@ -1036,7 +1194,7 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
-    eval_fn, eval_names = _eval_step(state, test, opts, mesh, forward, eval_step)
+    eval_fn, eval_names = _eval_step(state, test, config, mesh)
     run_train = lambda state, acc, batch, k: (train_1 if k == 1 else train_k)(state, acc, batch)
     # The check before every save: a state with non-finite parameters is never written.
     param_norm = jax.jit(_param_norm, out_shardings=replicated)
@@ -1044,26 +1202,27 @@ def _new_steps(state, train, test, opts, mesh, forward, eval_step):
                   lr_of is not None)
 
 
-def _eval_step(state, test, opts, mesh, forward, eval_step):
+def _eval_step(state, test, config, mesh):
     """The jitted eval step, which adds a batch's metric totals and weights (its rows, for a
     plain mean) to the sums, and the metric names."""
     if test is None:
         return None, []
-    if eval_step is None and opts.loss_fn is None and opts.nnx_loss_fn is None:
+    eval_step, forward, own = config.eval_step, config.forward, config.loss_name == "nnx_loss_fn"
+    if eval_step is None and config.loss_fn is None and not own:
         raise ValueError("fit: pass eval_step=, or loss_fn= for an eval of the loss, to "
                          "evaluate on test_ds.")
 
     def loss_eval(state, batch):  # without an eval_step: loss_fn's, in inference mode
-        out, _ = forward(opts.loss_fn, state, state.params, batch, _step_key(state, opts.seed),
-                         False)
-        loss, metrics = _split_loss(out, _loss_name(opts))
+        key = _step_key(state, config.seed)
+        out, _ = forward(config.loss_fn, state, state.params, batch, key, train=False)
+        loss, metrics = _split_loss(out, config.loss_name)
         return {"loss": loss, **metrics}
 
     inner = jax.jit(_under(mesh, eval_step or loss_eval))
-    who = "eval_step" if eval_step else _loss_name(opts)
+    who = "eval_step" if eval_step else config.loss_name
     fix = f"eval_step({'state' if forward is _linen_forward else 'model'}, batch)"
-    names = _metric_names(_trace(inner, state, test.spec, opts, None if eval_step or
-                                 opts.nnx_loss_fn else fix), who, "accuracy")
+    names = _metric_names(_trace(inner, state, test.spec, config, None if eval_step or own
+                                 else fix), who, "accuracy")
 
     def _eval_and_accumulate(state, acc, batch):  # totals, weights, batches
         n = jax.tree.leaves(batch)[0].shape[0]
@@ -1088,7 +1247,7 @@ def _under(mesh, fn):
     return traced
 
 
-def _linen_forward(loss_fn, state, params, batch, rng, train):
+def _linen_forward(loss_fn, state, params, batch, rng, *, train):
     """A linen model's loss: `(loss_fn(outputs, targets), new batch_stats)`. BatchNorm statistics
     update in train mode; dropout draws from `rng`."""
     inputs, targets = batch
@@ -1102,27 +1261,30 @@ def _linen_forward(loss_fn, state, params, batch, rng, train):
     return loss_fn(out, targets), stats
 
 
-def _default_train_step(forward, loss_fn, opts):
+def _default_train_step(config):
     """The one gradient step of linen and nnx models alike: the loss of a forward pass in train
     mode, the gradients, one update. With `axis_name` it runs on each device's share of the
     batch (under shard_map) and averages gradients and metrics, as pmap-era code did."""
 
+    axis = config.axis_name
+
     def train_step(state, batch):
-        rng = _step_key(state, opts.seed)
-        if opts.axis_name:  # each device draws its own dropout masks
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(opts.axis_name))
+        rng = _step_key(state, config.seed)
+        if axis:  # each device draws its own dropout masks
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
 
         def loss_of(params):
-            out, batch_stats = forward(loss_fn, state, params, batch, rng, True)
-            loss, metrics = _split_loss(out, _loss_name(opts))
+            out, batch_stats = config.forward(config.loss_fn, state, params, batch, rng,
+                                              train=True)
+            loss, metrics = _split_loss(out, config.loss_name)
             return loss, (metrics, batch_stats)
 
         (loss, (metrics, batch_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
             state.params)
-        if opts.axis_name:
-            grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), opts.axis_name)
+        if axis:
+            grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
         stats = {"batch_stats": batch_stats} if hasattr(state, "batch_stats") else {}
-        grad_norm = _log_norm(state, opts, grads)  # (before the update: its step decides)
+        grad_norm = _log_norm(state, config, grads)  # (before the update: its step decides)
         state = state.apply_gradients(grads=grads, **stats)
         return state, {"loss": loss, **metrics, "grad_norm": grad_norm}
     return train_step
@@ -1190,17 +1352,22 @@ def _as_dict(metrics, default):
     return metrics if isinstance(metrics, dict) else {default: metrics}
 
 
-def _train_and_accumulate(step_fn, names, lr_of, opts, state, acc, batch):
+_Train = collections.namedtuple("_Train", "step_fn names lr_of config")  # one train step's parts
+
+
+def _train_and_accumulate(train, state, acc, batch):
     """One train step plus the on-device bookkeeping: metric sums since the last log point, the
     non-finite steps, the learning rate, and the norms of a log step. They travel as two arrays,
     the floats and the counts: on XLA's CPU backend every small op, input and output costs
     microseconds a step, which a tiny model feels."""
-    new_state, metrics = step_fn(state, batch)
+    names, config = train.names, train.config
+    new_state, metrics = train.step_fn(state, batch)
     metrics = _as_dict(metrics, "loss")
-    skip = opts.on_nonfinite == "skip"
+    skip = config.skip
     # With "skip", the parameters' norm is checked at every step, to drop an update that makes
     # them non-finite; else at log steps and before saves.
-    norm = optax.tree.norm(new_state.params) if skip else _log_norm(state, opts, new_state.params)
+    norm = optax.tree.norm(new_state.params) if skip else _log_norm(state, config,
+                                                                     new_state.params)
     norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)],
                       jnp.float32)
     values = _totals_and_weights([metrics[k] for k in names], 1)
@@ -1213,11 +1380,12 @@ def _train_and_accumulate(step_fn, names, lr_of, opts, state, acc, batch):
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     n, n_bad, first_bad = acc["count"]
     sums, m = acc["sums"], 2 * len(names)  # [totals, weights, grad_norm, param_norm, set, lr]
-    lr = sums[m + 3:] if lr_of is None else jnp.reshape(lr_of(new_state), 1).astype(jnp.float32)
+    lr = sums[m + 3:] if train.lr_of is None else jnp.reshape(train.lr_of(new_state),
+                                                              1).astype(jnp.float32)
     first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
     count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
     # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
-    norms = jnp.where(_at_log(state, opts) & (finite | (not skip)), jnp.append(norms, 1.0),
+    norms = jnp.where(_at_log(state, config) & (finite | (not skip)), jnp.append(norms, 1.0),
                       sums[m:m + 3])
     sums = jnp.concatenate([sums[:m] + values.ravel(), norms, lr])
     return new_state, {"sums": sums, "count": count.astype(jnp.int32)}
@@ -1227,20 +1395,20 @@ _MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warn
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
 
 
-def _at_log(state, opts):
+def _at_log(state, config):
     """Whether the step that `state` goes into ends at a multiple of `log_every`."""
-    return (state.step + 1) % opts.log_every == 0
+    return (state.step + 1) % config.log_every == 0
 
 
 def _param_norm(state):
     return optax.tree.norm(state.params)
 
 
-def _log_norm(state, opts, tree):
+def _log_norm(state, config, tree):
     """The norm of `tree` at log steps, else 0: a pass over every parameter and gradient each
     step cost a tiny MLP 3-10% of its speed, for values that only log points show."""
     norm = lambda tree: jnp.asarray(optax.tree.norm(tree), jnp.float32)
-    return jax.lax.cond(_at_log(state, opts), norm, lambda tree: jnp.float32(0), tree)
+    return jax.lax.cond(_at_log(state, config), norm, lambda tree: jnp.float32(0), tree)
 
 
 def _totals_and_weights(metrics, rows):
@@ -1251,7 +1419,7 @@ def _totals_and_weights(metrics, rows):
     return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
 
 
-def _trace(fn, state, spec, opts, fix=None):
+def _trace(fn, state, spec, config, fix=None):
     """The output shapes of `fn(state, batch)`: checks the user's functions before any compile
     or directory, and turns three cryptic failures into advice. `fix`: what to pass instead of
     fit's own call of the model, if `fn` makes one."""
@@ -1273,7 +1441,7 @@ def _trace(fn, state, spec, opts, fix=None):
         raise TypeError(f"fit: the model {what} when it calls the model itself ({e}). Pass your "
                         f"own {fix} to call it your way; see README.md.") from None
     except ValueError as e:  # an nnx Dropout without rngs of its own, called with none
-        if opts.nnx_loss_fn or "no `rngs` argument" not in str(e):
+        if config.loss_name == "nnx_loss_fn" or "no `rngs` argument" not in str(e):
             raise
         raise ValueError(f"fit: {str(e).splitlines()[0]}: the model takes rngs at call time; "
                          f"call it yourself with nnx_loss_fn(model, batch, rngs), see README.md "
@@ -1288,7 +1456,10 @@ def _trace(fn, state, spec, opts, fix=None):
                         f"'batch_stats'])), or use fit.TrainState.") from None
 
 
-def _nnx_adapter(model, optimizer, opts=None, who="fit"):
+# ----------------------------------------------------------------------------------------------
+# nnx models, trained as a TrainState of their variables.
+
+def _nnx_adapter(model, optimizer, who="fit", *, nnx_loss_fn=None, eval_step=None):
     """An nnx model and its optimizer as a TrainState: `params` is what the optimizer trains
     (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the Rngs' state, so dropout
     resumes exactly). Each step merges them into a module in plain `jax.jit` (nnx.jit costs ~0.3
@@ -1322,17 +1493,17 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
         model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
         return model
 
-    def forward(loss_fn, state, params, batch, rng, train):
+    def forward(loss_fn, state, params, batch, rng, *, train):
         model = merged(params, state.batch_stats, train)
-        if opts.nnx_loss_fn:  # the user's call, with the step's key (fit's rng, not the model's)
-            out = _call_nnx_loss(opts.nnx_loss_fn, model, batch, nnx.Rngs(rng))
+        if nnx_loss_fn:  # the user's call, with the step's key (fit's rng, not the model's)
+            out = _call_nnx_loss(nnx_loss_fn, model, batch, nnx.Rngs(rng))
         else:  # Dropout draws from the model's own Rngs, carried in batch_stats
             out = loss_fn(model(batch[0]), batch[1])
         nnx.pop(model, nnx.Intermediate)
         return out, pure(nnx.state(model, nnx.Not(optimizer.wrt)))
 
     def eval_fn(state, batch):
-        return opts.eval_step(merged(state.params, state.batch_stats, False), batch)
+        return eval_step(merged(state.params, state.batch_stats, False), batch)
 
     def finish(state):
         nnx.update(model, state.params, state.batch_stats)
@@ -1341,7 +1512,7 @@ def _nnx_adapter(model, optimizer, opts=None, who="fit"):
             optimizer.step[...] = state.step
         return model
 
-    return state, forward, opts and opts.eval_step and eval_fn, finish
+    return state, forward, eval_step and eval_fn, finish
 
 
 def _call_nnx_loss(fn, model, batch, rngs):
@@ -1355,6 +1526,9 @@ def _call_nnx_loss(fn, model, batch, rngs):
         return fn(model, batch=batch, rngs=rngs)
     return fn(model, batch, rngs)
 
+
+# ----------------------------------------------------------------------------------------------
+# Train metrics and time, on the host: read one step late, checked for non-finite values.
 
 class _Meter:
     """The host side of train metrics and of time. At a log point `read` keeps the device's sums
@@ -1514,11 +1688,15 @@ class _Meter:
                 "wall_s": time.perf_counter() - self.t0}
 
 
-class _Checkpoints:
-    """The run's name and directories, its orbax manager, restore, saves and their wall-time
-    schedule, and the errors of asynchronous saves. Nothing is made on disk before a save."""
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: the run's claim and lock, orbax's manager, saves, restores, damaged steps.
 
-    def __init__(self, opts, plan, batching):
+class _Checkpoints:
+    """The run's name, claim and directories, its orbax manager, restore, saves and their
+    wall-time schedule, and the errors of asynchronous saves. A fresh run makes its checkpoint
+    directory (its claim) before the first step; nothing else is written before a save."""
+
+    def __init__(self, opts, best, base):
         workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
         while not os.path.exists(probe):  # fail before any directory is made
             probe = os.path.dirname(probe)
@@ -1529,53 +1707,32 @@ class _Checkpoints:
         self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume)
         self.log_dir = os.path.join(workdir, "logs", self.run)
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
-        self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, opts.max_to_keep
-        self.interval, self.last_time, self.seed = opts.ckpt_interval, time.monotonic(), opts.seed
-        self.batching = batching  # [global batch size, batches per epoch or None]
+        self.monitor, self.best, self.base = best.monitor, best, base
+        self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
         self.mgr, self.saved, self.good, self.calls = None, None, None, 0
 
     def restore(self, state):
-        """The state and meta of the run's latest checkpoint, or the state as given."""
-        meta = {"epoch": 0, "position": (0, None), "meter": None, "history": {"epoch": [],
-                "step": []}, "best": None, "best_step": None, "top": [], "hooks": {},
-                "stop": None, "target": [None, None]}
+        """The state and `_Progress` of the run's latest checkpoint, checked against this call,
+        or the state as given and a fresh `_Progress`."""
         if not self.resumed:
-            return state, meta
+            return state, _Progress()
         self.open()
         self.saved = self.good = self.mgr.latest_step()
         try:
-            state, saved = _restore(self.mgr, self.saved, state, "fit")
-            if saved.get("seed", self.seed) != self.seed:  # (its shuffles and random keys)
-                raise ValueError(f"fit: run {self.run} was trained with seed={saved['seed']}; "
-                                 f"resume it with that seed, or start a fresh run.")
-            # (None: a checkpoint written before fit recorded it, or an unknown length)
-            was, now = saved.get("batching") or [None, None], self.batching
-            if any(a is not None and b is not None and a != b for a, b in zip(was, now)):
-                raise ValueError(f"fit: run {self.run} was trained with a global batch size of "
-                                 f"{was[0]} and {was[1]} batches per epoch; this call feeds "
-                                 f"{now[0]} and {now[1]}, so it would not go on where the run "
-                                 f"stopped. Resume it with its own batch size and data, or "
-                                 f"start a fresh run (resume=False).")
+            state, meta = _restore(self.mgr, self.saved, state, "fit")
+            progress = _Progress.read(meta)
+            progress.check(self.run, self.base.seed, self.base.batching)
         except BaseException:
             self.close()  # (the manager's threads and fit's log filter end with it)
             raise
-        return state, {**meta, **saved}
+        return state, progress
 
     def open(self):
-        """The orbax manager. It keeps the latest checkpoint and the `max_to_keep` best: `best_fn`
-        with `max_to_keep` would delete the latest, and keep saves without metrics forever."""
+        """The orbax manager, keeping what the run's `_Best` says."""
         if self.mgr is None:
             logging.getLogger("absl").addFilter(_quiet_orbax)
-            policies, metric = ocp.checkpoint_managers, lambda m: m[self.monitor]
-            policy = policies.AnyPreservationPolicy([policies.LatestN(1), policies.BestN(
-                get_metric_fn=metric, reverse=self.mode == "min", n=self.max_to_keep,
-                keep_checkpoints_without_metrics=False)])
-            # best_fn as well: orbax 0.12 writes a step's metrics to disk only with it, and a
-            # manager opened to resume reads them back; without them BestN took the earlier
-            # runs' best for a save without metrics and deleted it at the first new save.
             self.mgr = _open(self.ckpt_dir, ocp.CheckpointManagerOptions(
-                preservation_policy=policy, cleanup_tmp_directories=True, best_fn=metric,
-                best_mode=self.mode))
+                cleanup_tmp_directories=True, **self.best.manager_options()))
 
     def overdue(self):
         """Whether `ckpt_interval` seconds have passed since the last save. Also raises the
@@ -1593,14 +1750,13 @@ class _Checkpoints:
         if jax.process_count() > 1 and self.mgr.reached_preemption(self.calls):
             return "preemption"
 
-    def save(self, step, state, meta, value):
+    def save(self, step, state, progress, value):
         self.wait()  # the previous save commits first (orbax would wait here too)
         with self._failure(step):
             saved = self.mgr.save(step, metrics=None if value is None else {self.monitor: value},
                                   args=ocp.args.Composite(
                                       state=ocp.args.StandardSave(_key_data(state)),
-                                      meta=ocp.args.JsonSave(_jsonable({**meta, "batching":
-                                                                        self.batching}))))
+                                      meta=ocp.args.JsonSave(progress.write())))
             if not saved:  # (orbax refuses a step at or below the latest it lists)
                 raise RuntimeError(f"orbax refused to save step {step}: its latest step is "
                                    f"{self.mgr.latest_step()}")
@@ -1830,6 +1986,9 @@ def _lock(run_dir):
     lock.flush()
     return lock
 
+
+# ----------------------------------------------------------------------------------------------
+# Signals: SIGINT, SIGTERM and preemption notices.
 
 class _Signals:
     """Why the run must stop: the first SIGINT/SIGTERM stops it after the step (a second SIGINT
