@@ -243,7 +243,7 @@ def fit(state, train_ds, test_ds=None, **options):
     batching = (train.batch_size * jax.process_count(), plan.steps_per_epoch)
     base = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, batching=batching)
     best = _Best(plan, opts.max_to_keep)
-    ckpts = _Checkpoints(opts, best, base)
+    ckpts = _Checkpoints(opts, best, base, claim=not plan.done(0, int(jax.device_get(state.step))))
     state, progress = ckpts.restore(state)
     step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
     hparams = opts.hparams_used({"batch_size": batching[0], "devices": mesh.size,
@@ -1696,7 +1696,7 @@ class _Checkpoints:
     wall-time schedule, and the errors of asynchronous saves. A fresh run makes its checkpoint
     directory (its claim) before the first step; nothing else is written before a save."""
 
-    def __init__(self, opts, best, base):
+    def __init__(self, opts, best, base, claim=True):
         workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
         while not os.path.exists(probe):  # fail before any directory is made
             probe = os.path.dirname(probe)
@@ -1704,7 +1704,8 @@ class _Checkpoints:
             why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
             raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; "
                                   f"pass workdir= a directory you can write to.")
-        self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume)
+        self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume,
+                                                       claim)
         self.log_dir = os.path.join(workdir, "logs", self.run)
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
         self.monitor, self.best, self.base = best.monitor, best, base
@@ -1912,7 +1913,7 @@ def _key_data(tree):
     return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
-def _claim_run(workdir, log_name, resume):
+def _claim_run(workdir, log_name, resume, claim=True):
     """Picks the run and claims it for this job: `(name, whether it has a checkpoint to go on
     from, the lock)`. Run names are `<log_name>_<n>`: a fresh run takes the next free n,
     `resume=True` the highest, `resume="<name>"` that run. Process 0 claims; the others get its
@@ -1920,7 +1921,7 @@ def _claim_run(workdir, log_name, resume):
     answer, lock = ["", False, None, ""], None
     if jax.process_index() == 0:
         try:
-            name, restored, lock = _claim(workdir, log_name, resume)
+            name, restored, lock = _claim(workdir, log_name, resume, claim)
             answer = [name, restored, None, ""]
         except (ValueError, RuntimeError) as e:
             answer = ["", False, type(e).__name__, str(e)]
@@ -1934,10 +1935,11 @@ def _claim_run(workdir, log_name, resume):
     return name, restored, lock
 
 
-def _claim(workdir, log_name, resume):
+def _claim(workdir, log_name, resume, claim=True):
     """A fresh run claims its directory with an exclusive mkdir (two processes started at once
     get two runs), then every run takes an advisory lock for its life: a second writer of one
-    run is refused, and a writer that dies releases it (the kernel drops its locks)."""
+    run is refused, and a writer that dies releases it (the kernel drops its locks). A fresh
+    run with nothing to do (`claim=False`: its state is past the end) makes nothing."""
     root = os.path.join(workdir, "checkpoints")
     listed = lambda path: os.listdir(path) if os.path.isdir(path) else []
     runs = sorted(set(listed(os.path.join(workdir, "logs")) + listed(root)))
@@ -1953,6 +1955,8 @@ def _claim(workdir, log_name, resume):
         name = f"{log_name}_{max(taken)}"
         return name, has_steps(name), _lock(os.path.join(root, name))
     n = max(taken, default=0)
+    if not claim:
+        return f"{log_name}_{n + 1}", False, None
     while True:  # the next n that no other process has claimed meanwhile
         n += 1
         os.makedirs(root, exist_ok=True)
