@@ -74,6 +74,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import types
 import warnings
 from typing import Any
@@ -241,16 +242,17 @@ def fit(state, train_ds, test_ds=None, **options):
 
     # 4. Open the run: claim it, restore its checkpoint if it goes on, set up the hooks.
     batching = (train.batch_size * jax.process_count(), plan.steps_per_epoch)
-    base = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, batching=batching)
-    best = _Best(plan, opts.max_to_keep)
-    ckpts = _Checkpoints(opts, best, base, claim=not plan.done(0, int(jax.device_get(state.step))))
-    state, progress = ckpts.restore(state)
-    step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
     hparams = opts.hparams_used({"batch_size": batching[0], "devices": mesh.size,
                                  "steps_per_epoch": plan.steps_per_epoch,
                                  "monitor": plan.monitor, "mode": plan.mode})
     builtin = ([ProgressBar(verbose)] if verbose else []) + (
         [TensorBoard(hparams)] if opts.tensorboard and jax.process_index() == 0 else [])
+    base = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, batching=batching)
+    best = _Best(plan, opts.max_to_keep)
+    fresh_work = not plan.done(0, int(jax.device_get(state.step)))  # (else: claim no directory)
+    ckpts = _Checkpoints(opts, best, base, claim=fresh_work)
+    state, progress = ckpts.restore(state)  # (from here on, the run is held: closed on any exit)
+    step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
     run = _Run(builtin + list(opts.hooks), plan, ckpts, best, progress)
     if plan.done(epoch, step) or run.stopping:  # (run.stopping: a hook's stop, for good)
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
@@ -275,7 +277,7 @@ def fit(state, train_ds, test_ds=None, **options):
                                      verbose=verbose)
             while not (run.stopping or plan.done(epoch, step)):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
-                                   opts.max_steps)
+                                   opts.max_steps, meter.said)
                 for batch, position, k, last in _prefetch(batches, put):
                     state = meter.train(steps, state, batch, k)  # dispatch step n ...
                     step += k
@@ -305,7 +307,7 @@ def fit(state, train_ds, test_ds=None, **options):
     run.history.timing = meter.timing(step)
     if run.stopping in ("SIGTERM", "preemption") or late in ("SIGTERM", "preemption"):
         raise SystemExit(128 + signal.SIGTERM)  # 143: what schedulers expect after SIGTERM
-    if late == "SIGINT" and not run.stopping:  # the run was done: Ctrl-C stops the script
+    if late == "SIGINT" and run.stopping not in _SIGNALS:  # done: Ctrl-C stops the script
         raise KeyboardInterrupt
     return finish(state), run.history
 
@@ -949,20 +951,20 @@ def _position(iterator):
     return {"bytes": state.decode()} if isinstance(state, bytes) else {"state": _jsonable(state)}
 
 
-def _grouped(batches, k, step, max_steps=None):
+def _grouped(batches, k, step, max_steps=None, said=None):
     """Stacks runs of `k` equally shaped batches for `steps_per_jit`, starting at multiples of k
     in absolute steps, so a resumed run groups (and rounds) like the original; other batches run
     as single steps. Yields `(batch, position after it, steps)`."""
-    group, warned = [], False
+    group, said = [], set() if said is None else said  # (said: warnings given in this call)
     for batch, position in batches:
         if group and not _same_shapes(batch, group[0][0]):  # another shape ends the group:
             yield from ((b, p, 1) for b, p in group)  # its batches run as single steps
-            if not warned:
+            if "groups" not in said:
                 warnings.warn(f"fit: steps_per_jit={k} stacks runs of {k} batches of one shape, "
                               f"but the shapes changed within a run at step {step + len(group)}"
                               f"; such batches run one step a call. Order the data so that each "
                               f"shape comes {k} batches at a time, or pass steps_per_jit=1.")
-                warned = True
+                said.add("groups")
             step, group = step + len(group), []
         starts = step % k == 0 and not (max_steps and step + k > max_steps)
         if k == 1 or not (group or starts):
@@ -1545,7 +1547,7 @@ class _Meter:
         self.compiled, self.inflight, self.compile_shown = set(), collections.deque(), 0.0
         # The batch shapes fed since the last log point, where they changed: processes compare
         # them there (a mismatch would not hang: it would train silently wrong).
-        self.shape, self.changes, self.fed = None, [], step
+        self.shape, self.changes, self.fed, self.said = None, [], step, set()
         # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
         self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data")}
         self.spent_steps, self.data_logged = 0, 0.0
@@ -1775,13 +1777,15 @@ class _Checkpoints:
         try:
             yield
         except Exception as e:
-            good = (f"the last good checkpoint is step {self.good}" if self.good is not None
-                    else "no checkpoint of this run was written")
+            _quiet_failed_save(self.ckpt_dir)
             cause = _cause(e)
             fix = "Free space" if os.strerror(errno.ENOSPC) in cause else "Fix the cause"
+            then = (f"The last good checkpoint is step {self.good}, and it is intact. {fix}, "
+                    f"then call fit again with resume=True to go on from it." if self.good
+                    is not None else f"No checkpoint of this run was written. {fix}, then call "
+                                     f"fit again (the run starts afresh).")
             raise OSError(f"fit: saving the checkpoint of step {step} to {self.ckpt_dir} "
-                          f"failed: {cause}. {good.capitalize()}, and it is intact. {fix}, then "
-                          f"call fit again with resume=True to go on from it.") from e
+                          f"failed: {cause}. {then}") from e
 
     def close(self):
         try:
@@ -1804,6 +1808,10 @@ def _quiet_orbax(record):
 
 
 def _open(ckpt_dir, options):
+    # Before orbax starts: reads or writes in flight when a restore or a save fails call back
+    # into orbax's closed event loop, from tensorstore's threads, and each prints a traceback.
+    if not getattr(sys.unraisablehook, "fit_quiet", False):
+        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
 
@@ -1870,10 +1878,6 @@ def _restoring(mgr, step, who):
 def _unrestorable(mgr, step, error, who):
     """The error for a damaged checkpoint: its step, the cause in a line, the earlier steps
     and how to go on from the latest of them."""
-    # Reads still in flight when the restore failed call back into orbax's closed event loop
-    # later, each printing a traceback after the caller has caught this error: hide those.
-    if not getattr(sys.unraisablehook, "fit_quiet", False):
-        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
     path = os.path.join(str(mgr.directory), str(step))
     earlier = sorted(s for s in mgr.all_steps() if s < step)
     go_on = (f"The run's earlier checkpoints: steps {earlier}. To go on from step {earlier[-1]}, "
@@ -1883,6 +1887,20 @@ def _unrestorable(mgr, step, error, who):
              "so there is none to go back to: start a fresh run")
     return ValueError(f"{who}: the checkpoint of step {step} at {path} is damaged and cannot be "
                       f"restored: {_cause(error)}. {go_on}.")
+
+
+def _quiet_failed_save(ckpt_dir):
+    """After a failed save, orbax's other writes of it still end (in tasks of its closed event
+    loop, in its threads) and report the same error again, some after the caller has caught
+    fit's: hide those reports, for the rest of the process."""
+    def echo(record):  # (the failed save's own error, reported again)
+        text = record.getMessage() + (
+            "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
+        return ckpt_dir not in text and f"{os.sep}orbax{os.sep}" not in text
+    for name in ("asyncio", "absl"):
+        logging.getLogger(name).addFilter(echo)
+    warnings.filterwarnings("ignore", r"coroutine '.*(write|serializ).*' was never awaited",
+                            RuntimeWarning)
 
 
 def _quiet_closed_loop(hook):
@@ -1900,7 +1918,7 @@ def _cause(error):
     device" far past its first line)."""
     chain = []
     while error is not None and len(chain) < 8:
-        chain.append(f"{type(error).__name__}: {error}")
+        chain.append(str(error) or type(error).__name__)
         error = error.__cause__ or error.__context__
     whole, line = "\n".join(chain), chain[0].strip().splitlines()[0]
     line = line if len(line) <= 200 else line[:200] + "..."
@@ -1953,7 +1971,13 @@ def _claim(workdir, log_name, resume, claim=True):
                                           runs) if m]
     if resume and taken:  # the latest run: from its checkpoint, or afresh if it saved none
         name = f"{log_name}_{max(taken)}"
-        return name, has_steps(name), _lock(os.path.join(root, name))
+        try:
+            return name, has_steps(name), _lock(os.path.join(root, name))
+        except RuntimeError:
+            if has_steps(name):
+                raise
+            # (a fresh run started at the same moment holds it, with nothing to go on from:
+            # sweep members that all pass resume=True get a run each, as fresh runs do)
     n = max(taken, default=0)
     if not claim:
         return f"{log_name}_{n + 1}", False, None
@@ -2262,7 +2286,10 @@ def _place_state(state, seed, sharding):
     # The transfer makes the copy (jnp copies compile an eager op per shape). Onto several devices
     # it reuses the caller's buffer as one shard (jax 0.10), which donation would delete: copy it.
     placed = jax.device_put(state, sharding, may_alias=False)
-    buffers = lambda x: {s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+    # (addressable_data, not addressable_shards: a replicated array of a process with one
+    # device in a job of several lists shards that it cannot build, jax 0.10)
+    buffers = lambda x: {x.addressable_data(i).unsafe_buffer_pointer()
+                         for i in range(len(x.sharding.addressable_devices))}
     aliases = lambda p, x: isinstance(x, jax.Array) and (_is_key(x) or bool(buffers(p) &
                                                                          buffers(x)))
     return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p, placed, state)
