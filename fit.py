@@ -522,8 +522,9 @@ class TensorBoard:
             run.writer = self.writer = SummaryWriter(run.log_dir, purge_step=purge)
             self.flushed = time.monotonic()
             # tensorboardX 2.6's flush() skips the queue of its writer thread, so a killed run
-            # could lose logs that its resume skips: write events directly. The one use of a
-            # library's internals in this file; check it when tensorboardX moves past 2.6.
+            # could lose logs that its resume skips: write events directly. No public call
+            # drains that queue (only close() does, ending the writer), so this one use of a
+            # library's internals stays; check it when tensorboardX moves past 2.6.
             events = self.writer.file_writer.event_writer
             events.add_event = events._ev_writer.write_event
             if run.step == 0:  # once per run, at its start, so a crashed run shows them too
@@ -1580,24 +1581,32 @@ class _Meter:
         return state
 
     def read(self, step, log_due, sync=False):
-        """`[(step, metrics)]` of the log points that are ready: the one stashed at the last
-        log point, then this one is stashed if due; with `sync`, everything up to `step`."""
-        ready, self.pending = ([self.pending] if self.pending else []), None
-        if sync or log_due:
-            ready.append((self.acc, step, log_due))
-            self.acc = self.acc0
-        if not sync and log_due:
-            self.pending = ready.pop()
-        if (sync or log_due) and jax.process_count() > 1:
-            fed = "; ".join(f"step {s + 1}: {shape[1:]}" for s, shape in self.changes)
-            _agree(fed or "no new shape", f"the processes fed batches of different shapes "
-                                          f"by step {step}")
-            self.changes = []
+        """`[(step, metrics)]` of the log points ready now. At a log point its sums are set
+        aside and read at the next call, one step later, when the device has finished them;
+        with `sync` (an epoch's end, a save) they are read at once, the device waited for."""
+        ready = [self.pending] if self.pending else []  # (the last log point's, finished now)
+        self.pending = None
+        if log_due or sync:
+            if jax.process_count() > 1:
+                self._agree_shapes(step)
+            this, self.acc = (self.acc, step, log_due), self.acc0
+            if sync:
+                ready.append(this)
+            else:
+                self.pending = this
         logged = []
         for acc, at, log in ready:
             self._add(jax.device_get(acc), at)
             logged += self._interval(at) if log else []
         return logged
+
+    def _agree_shapes(self, step):
+        """Every process fed batches of the same shapes since the last log point (with length
+        buckets a mismatch would not hang: it would train silently wrong)."""
+        fed = "; ".join(f"step {s + 1}: {shape[1:]}" for s, shape in self.changes)
+        _agree(fed or "no new shape", f"the processes fed batches of different shapes by step "
+                                      f"{step}")
+        self.changes = []
 
     def _add(self, acc, step):
         n, n_bad, first_bad = (int(v) for v in acc["count"])
@@ -2163,8 +2172,11 @@ def _check_schedule(state, opts, total):
         return
     steps = np.linspace(0, total - 1, 65).astype(np.int32)
 
-    def scheduled(step):  # the lr at `step` of an inject_hyperparams optimizer's schedule,
-        s = state.tx.init({})  # through public optax calls (an error where there is none)
+    # The lr at `step` of an inject_hyperparams optimizer's schedule (an error where there is
+    # none). optax has no public call for it: its public tree API (optax.tree) sets the count
+    # of the schedule's state, found by its class name, and runs one update.
+    def scheduled(step):
+        s = state.tx.init({})
         wrapped = optax.tree.get(s, "WrappedScheduleState")
         s = optax.tree.set(s, WrappedScheduleState=wrapped._replace(count=step))
         is_array = lambda path, value: isinstance(value, jax.Array)
