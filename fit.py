@@ -21,39 +21,24 @@
     state, history = fit(state, train_ds, test_ds, loss_fn=loss_fn, eval_step=eval_step,
                          num_epochs=10, log_name="mnist", hparams={"lr": 1e-3})
 
-What you supply
+What you supply (`help(Options)` has every option, `help(fit)` what a run does)
 - A `TrainState` (below): params, optimizer, `batch_stats` (empty without BatchNorm), `rng`.
 - Data: `(x, y)` arrays with `batch_size=`, or any iterable of `(inputs, targets)` batches (a
   list, a generator, `tfds.as_numpy(...)`, a loader); dict batches need `batch_keys=`.
 - `loss_fn(outputs, targets)`: the model is called as `apply_fn({"params", "batch_stats"},
   inputs, train=True, mutable=["batch_stats"], rngs={"dropout": fold_in(rng, step)})`. Any
-  other model: pass `train_step(state, batch) -> (state, metrics)`.
+  other model: pass `train_step(state, batch[, rng]) -> (state, metrics)`.
 - `eval_step(state, batch)`: per-batch means, which fit weights by batch size: the logged metric
   is exactly the metric over the whole eval set.
 - Or an nnx model: `fit(model, ..., optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param))`;
   `loss_fn` gets `model(inputs)` in train mode, `eval_step(model, batch)` the model in eval
   mode; the model and the optimizer are updated in place.
-- Hooks `hook(event, run)`, called at `train_start`, `log`, `epoch_end`, `eval`, `save` (before
-  a checkpoint), `train_end`: `run.stop = True` stops, `run.save = True` asks for a checkpoint.
-  The progress bar and TensorBoard are hooks.
+- Optional hooks `hook(event, run)`: `run.stop = True` stops, `run.save = True` saves (`_Run`).
 
-How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in that
-order, each opened by a banner comment. `help(Options)` lists every option. The map:
-
-    TrainState, Weighted, lr_schedule  public building blocks
-    Options                            every option, its default and its check
-    fit                                the story: check, place, build the steps, open the run, loop
-    load_ckpt, evaluate, History       the rest of the public API
-    EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
-    _Run, _end_epoch, _save, _evaluate the run as hooks see it; an epoch's end, a save, an eval
-    _Data, _grouped, _prefetch, _put   batches and their positions; steps_per_jit; placement
-    _Plan                              every period in steps; the monitor
-    _StepConfig, _build_steps          every jax.jit, built from what traced code reads, cached
-    _nnx_adapter                       nnx models as a TrainState
-    _Meter                             train metrics and time on the host, one step late
-    _Checkpoints, _claim_run, _restore the run's claim and lock; orbax; damaged checkpoints
-    _Signals                           SIGINT, SIGTERM, preemption
-    checks and helpers                 option rules, meshes, shardings, placing the state
+How to read this file: `fit` is the whole story, top to bottom; then the rest of the public API
+(`load_ckpt`, `evaluate`, `History`, the hooks) and the parts fit uses, in its order, each opened
+by a banner comment: `_Run`, `_Data`, `_Plan`, `_build_steps`, `_nnx_adapter`, `_Meter`,
+`_Checkpoints`, `_Signals`, checks and helpers.
 """
 import collections.abc
 import contextlib
@@ -101,14 +86,14 @@ __all__ = ["TrainState", "Weighted", "lr_schedule", "Options", "fit", "evaluate"
            "History", "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
 
 
-# ----------------------------------------------------------------------------------------------
-# Public building blocks, the options and fit.
+# -- Public building blocks, the options and fit -----------------------------------------------
 
 class TrainState(train_state.TrainState):
-    """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the run's base
-    key: step n draws its dropout key as `fold_in(rng, n)`, so randomness survives a resume.
-    Left `None`, fit fills it from `seed` (as raw `uint32` key data, which orbax can save).
-    `tx=None` makes a state without an optimizer, for evaluation."""
+    """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the run's base key:
+    step n draws `fold_in(rng, n)` for the whole global batch, so randomness survives a resume and
+    the device count. Left `None`, fit fills it from `seed` (raw `uint32` key data, which orbax can
+    save). `tx=None` makes a state without an optimizer, for `evaluate` and `load_ckpt`. Any flax
+    TrainState subclass trains too, every field saved and returned (e.g. `ema_params`)."""
     batch_stats: Any = flax.struct.field(default_factory=dict)
     rng: Any = None
 
@@ -126,9 +111,10 @@ interval, exactly, where a plain per-batch mean is weighted by rows (eval) or st
 
 
 def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0):
-    """Linear warmup from `init_value` (default 0) to `base_lr` over `warmup_epochs`, then a
-    cosine decay that reaches `end_value` (default 0) exactly at the last step,
-    `epochs * steps_per_epoch - 1`. Returns an optax schedule (step -> learning rate)."""
+    """Linear warmup from `init_value` (default 0) to `base_lr` over `warmup_epochs` (fractional
+    or 0, below `epochs`), then a cosine decay that reaches `end_value` (default 0) exactly at the
+    last step, `epochs * steps_per_epoch - 1` (for arrays, `steps_per_epoch` is `ceil(len(x) /
+    batch_size)`). Returns an optax schedule (step -> learning rate)."""
     for name, value in (("steps_per_epoch", steps_per_epoch), ("epochs", epochs)):
         if not _positive_int(value):
             raise ValueError(f"lr_schedule: {name} must be a positive integer, got {value!r}.")
@@ -146,41 +132,77 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
-    """Every option of `fit`, with its default; the comments below say what each one does.
-    Building it checks every value, so a mistake fails before any work starts."""
-    loss_fn: Any = None            # loss_fn(outputs, targets) -> loss or (loss, metrics)
-    eval_step: Any = None          # eval_step(state, batch) -> scalar or {name: scalar}
-    train_step: Any = None         # train_step(state, batch[, rng]) -> (state, metrics)
-    optimizer: Any = None          # an nnx model's nnx.Optimizer
-    nnx_loss_fn: Any = None        # nnx_loss_fn(model, batch, rngs) -> loss or (loss, metrics)
+    """Every option of `fit` (and the data and placement ones of `evaluate`), checked when built:
+    loss_fn: `(outputs, targets) -> loss or (loss, {name: scalar})`; see the module docstring.
+    eval_step: `(state, batch) -> scalar` ("accuracy") or `{name: scalar}`; None: `loss_fn`'s loss.
+    train_step: `(state, batch[, rng]) -> (state, metrics)`, replacing fit's step; TrainState only.
+    optimizer: an nnx model's `nnx.Optimizer` (or an object with `tx`, `opt_state`, `step`, `wrt`).
+    nnx_loss_fn: `(model, batch, rngs) -> loss or (loss, metrics)`, instead of `loss_fn`, for an
+        nnx model called its own way; `rngs` is an `nnx.Rngs` of the step's key.
+    num_epochs=1: epochs to train; resumed with a larger value, the run goes on.
+    max_steps: steps to train in all, stopping mid-epoch if need be (see fit).
+    steps_per_epoch: batches per epoch, for data without `len()` (a generator: one stream).
+    batch_size: for arrays `(x, y)`, which fit batches (the last batch may be smaller).
+    batch_keys: `(inputs_key, targets_key)` of dict batches; every function then gets pairs.
+    eval_freq=1: epochs between evals; the last epoch always evaluates.
+    eval_every: steps between evals, instead of `eval_freq` (the end evaluates too).
+    eval_steps: at most this many eval batches.
+    log_every=50: steps between train logs (bar, TensorBoard, `log` hooks): the interval's means.
+    ckpt_interval=300.0: seconds from a save to the next, due at the first log point after.
+    ckpt_every: steps between checkpoints, exactly, besides those of `ckpt_interval`.
+    max_to_keep=1: best checkpoints kept (by `monitor`), besides the latest.
+    monitor: the best checkpoint's metric; None: `eval/accuracy`, `eval/loss`, ..., `train/loss`.
+    mode="auto": "min" or "max"; "auto" reads the monitor's name (loss, accuracy, ...) or raises.
+    log_name="run": runs are `<log_name>_<n>`, in `<workdir>/logs/` and `<workdir>/checkpoints/`.
+    workdir: where `logs/` and `checkpoints/` go; None: the current directory. No URLs: mount them.
+    resume=False: a fresh run, `<log_name>_<n+1>`; True: go on with the latest run of `log_name`
+        (afresh if it saved nothing); a run's name, e.g. `"mnist_3"`: that run. See fit.
+    hparams: a dict for TensorBoard's HParams tab, beside the plain options and derived values.
+    seed=0: fills `state.rng` if None, shuffles arrays from `(seed, epoch)`; checked on resume.
+    lr_fn: `lr_fn(step) -> learning rate`, to log the rate without `optax.inject_hyperparams`.
+    steps_per_jit=1: k steps per compiled call, over groups of k batches of one shape starting at
+        multiples of k, where logs, evals, saves and stops then fall; other batches run singly.
+    hooks: functions `hook(event, run)`, called after the built-in ones (see `_Run`).
+    verbose=1: 0: warnings only; 1: a bar and epoch lines; 2: the lines (1 too if TQDM_DISABLE=1).
+    tensorboard=True: False: no event files.
+    on_nonfinite="raise": a NaN/Inf loss, metric or parameter raises `FloatingPointError` naming
+        the step (no checkpoint after it); "skip" drops such updates (`train/skipped_steps`).
+    mesh: a Mesh with a "data" axis for batches; None: the state's, jax.set_mesh's, or all devices.
+    state_sharding: the state's layout: a tree (or a function) of `PartitionSpec`s or shardings.
+    axis_name: for pmap-era models: runs the step per device over the data axis, so named."""
+    loss_fn: Any = None
+    eval_step: Any = None
+    train_step: Any = None
+    optimizer: Any = None
+    nnx_loss_fn: Any = None
     num_epochs: int = 1
     max_steps: int | None = None
     steps_per_epoch: int | None = None
-    batch_size: int | None = None  # for array data (x, y)
-    batch_keys: Any = None         # (inputs_key, targets_key) for dict batches
-    eval_freq: int = 1             # epochs between evals
-    eval_every: int | None = None  # steps between evals, instead of eval_freq
-    eval_steps: int | None = None  # eval on at most this many batches
-    log_every: int = 50            # steps between train logs
-    ckpt_interval: float = 300.0   # seconds between checkpoints, checked at log points
-    ckpt_every: int | None = None  # steps between checkpoints, exactly
-    max_to_keep: int = 1           # best checkpoints kept, besides the last
-    monitor: str | None = None     # the metric that picks the best checkpoint
-    mode: str = "auto"             # "min", "max" or "auto" (from the monitor's name)
+    batch_size: int | None = None
+    batch_keys: Any = None
+    eval_freq: int = 1
+    eval_every: int | None = None
+    eval_steps: int | None = None
+    log_every: int = 50
+    ckpt_interval: float = 300.0
+    ckpt_every: int | None = None
+    max_to_keep: int = 1
+    monitor: str | None = None
+    mode: str = "auto"
     log_name: str = "run"
     workdir: str | None = None
-    resume: bool | str = False     # True: the latest run; or a run's name, e.g. "mnist_3"
+    resume: bool | str = False
     hparams: dict | None = None
     seed: int = 0
-    lr_fn: Any = None              # lr_fn(step) -> learning rate, for logging
+    lr_fn: Any = None
     steps_per_jit: int = 1
     hooks: Any = ()
-    verbose: int = 1               # 0: quiet, 1: bar and epoch lines, 2: epoch lines only
-    tensorboard: bool = True       # False: no TensorBoard writer
-    on_nonfinite: str = "raise"    # or "skip"
+    verbose: int = 1
+    tensorboard: bool = True
+    on_nonfinite: str = "raise"
     mesh: Any = None
     state_sharding: Any = None
-    axis_name: str | None = None   # for models written for pmap
+    axis_name: str | None = None
 
     @classmethod
     def of(cls, kwargs):
@@ -207,8 +229,7 @@ class Options:
         return "<fit options>"
 
     def hparams_used(self, derived):
-        """What TensorBoard's HParams tab shows: every option that is a plain value (not where
-        the run is written or how it talks), what the run derived, and the user's `hparams`."""
+        """The HParams tab's values: plain-valued options, the derived values, the `hparams`."""
         skip = ("workdir", "log_name", "resume", "verbose", "tensorboard", "hparams")
         plain = (type(None), bool, int, float, str, np.generic)  # what TensorBoard can show
         used = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -217,8 +238,20 @@ class Options:
 
 
 def fit(state, train_ds, test_ds=None, **options):
-    """Trains `state` (a TrainState, or an nnx model with `optimizer=`) on `train_ds` and returns
-    `(state, history)`. `options` are the fields of `Options`; README.md documents each."""
+    """Trains `state` (a TrainState, or an nnx model with `optimizer=`) on `train_ds`, evaluating on
+    `test_ds`; `options` are the fields of `Options`. Returns `(state, history)`: a trained copy of
+    the state (the caller's stays usable), or the nnx model updated in place; and a `History`. A
+    second call with the same functions, optimizer object, batch shapes and placement compiles
+    nothing (an nnx model compiles anew). A resume goes on from the run's latest checkpoint with the
+    state, the position in the data, the history, the best and the hooks' state, as an uninterrupted
+    run would; a finished run returns at once. A run that `max_steps` cut mid-epoch has a history
+    row and an eval there; resumed, the epoch's row at its end holds the whole epoch's means. Ctrl-C
+    or SIGTERM stops after the step with a checkpoint, resumably (the history's `stopped`); SIGTERM
+    then exits 143, a second Ctrl-C aborts at once. After the last step, SIGTERM still exits 143 and
+    Ctrl-C raises `KeyboardInterrupt`, once the final checkpoint is committed. Off the main thread
+    fit cannot catch signals (it warns). A hook's stop (`run.stop`) is final: fit called again
+    returns the first call's state, unless `num_epochs` or `max_steps` grew. A run killed outright
+    resumes from its last checkpoint; `_Checkpoints` says when they are written."""
     # 1. Check everything that can be checked before touching the disk or compiling.
     opts = Options.of(options)
     _check_state(state, opts)
@@ -312,15 +345,15 @@ def fit(state, train_ds, test_ds=None, **options):
     return finish(state), run.history
 
 
-# ----------------------------------------------------------------------------------------------
-# The rest of the public API: restoring, evaluating, the history.
+# -- The rest of the public API: restoring, evaluating, the history ----------------------------
 
 def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
     """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`).
-    `step`: a step number, `"last"`/`None` or `"best"`. `state` gives the structure, shapes and
-    shardings, not values. An nnx model (with its `optimizer=`) is restored in place.
-    `weights_only=True`: only `params` and `batch_stats`, into a state with another optimizer
-    (to fine-tune) or none; the rest of `state` stays as it is."""
+    `step`: a step number, `"last"`/`None` or `"best"` (the best the latest checkpoint knows).
+    `state` gives the structure, shapes and shardings (build it as for training), not values. An
+    nnx model (with its `optimizer=`) is restored in place. `weights_only=True`: only `params` and
+    `batch_stats`, into a state with another optimizer (to fine-tune) or none; the rest of `state`
+    stays as it is. Checkpoints are plain orbax ones, with items `state` and `meta` (JSON)."""
     if _is_nnx(state):
         who = "load_ckpt" if optimizer or not weights_only else "evaluate"  # (no optimizer)
         adapted, _, _, finish = _nnx_adapter(state, optimizer, who=who)
@@ -361,11 +394,11 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
 
 def evaluate(state, ds, eval_step=None, **options):
     """The metrics of `state` (a TrainState, or an nnx model) over all of `ds`, `{name: value}`:
-    the same exact, sharded, weighted eval that `fit` runs. `options`: those of `fit` that concern
-    the data and the placement (`batch_size`, `batch_keys`, `eval_steps`, `mesh`,
-    `state_sharding`, ...); without `eval_step`, `loss_fn` or `nnx_loss_fn` gives the loss.
-    A TrainState's optimizer state stays where it is (eval does not read it), and a second call
-    with the same functions and kinds of batches compiles nothing; an nnx model compiles anew."""
+    the same exact, sharded, weighted eval that `fit` runs, e.g. `evaluate(state, (x, y),
+    eval_step, batch_size=256)`. `options`: those of `fit` about the data and the placement
+    (`batch_size`, `batch_keys`, `eval_steps`, `mesh`, `state_sharding`); without `eval_step`,
+    `loss_fn` or `nnx_loss_fn` gives the loss. The optimizer state is not read, and a second call
+    with the same functions and kinds of batches compiles nothing (an nnx model compiles anew)."""
     opts = Options.of({**options, "eval_step": eval_step})
     forward = _linen_forward
     if _is_nnx(state):
@@ -390,19 +423,20 @@ def evaluate(state, ds, eval_step=None, **options):
 
 
 class History(dict):
-    """`fit`'s history: lists of `epoch`, `step`, `train/<metric>` per epoch, `eval/...` per eval
-    and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`
-    (seconds spent compiling, evaluating and saving, and the steady rate without them)."""
+    """`fit`'s history of the whole run, resumes too: lists of `epoch`, `step`, `train/<metric>`
+    (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` per eval, and `stopped` (why a
+    run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`: `compile_s`, `eval_s`,
+    `save_s`, `finish_s`, `data_s` (fetching batches), their `*_count` (not data's), `steps`,
+    `steady_steps_per_s` (without compiles, evals and saves), `wall_s`."""
     run = log_dir = ckpt_dir = timing = None
 
 
-# ----------------------------------------------------------------------------------------------
-# Hooks: hook(event, run). The progress bar and TensorBoard are hooks too.
+# -- Hooks: hook(event, run); the progress bar and TensorBoard are hooks too -------------------
 
 class EarlyStopping:
-    """A hook that stops when fit's `monitor` (the metric that picks the best checkpoint) has not
-    improved by more than `min_delta` for `patience` evaluations, and (`restore_best`) returns
-    the best checkpoint's state. Its count is checkpointed (`get_state`/`set_state`)."""
+    """A hook that stops when fit's `monitor` has not improved by more than `min_delta` for
+    `patience` evals, and (`restore_best`) returns the best checkpoint's state. Its stop is final
+    (see fit); its count is checkpointed. Another `monitor` than fit's raises: pass it to fit."""
 
     def __init__(self, patience=3, min_delta=0.0, restore_best=True, monitor=None):
         if not _positive_int(patience):
@@ -437,9 +471,8 @@ class EarlyStopping:
 
 
 class Profiler:
-    """A hook that traces steps `start_step` to `start_step + num_steps` with `jax.profiler` into
-    the run's TensorBoard directory (the Profile tab: `pip install tensorboard-plugin-profile`).
-    Hooks run at log points, so the window is rounded out to them."""
+    """A hook tracing steps `start_step` to `start_step + num_steps`, rounded out to log points,
+    into the run's TensorBoard directory (Profile tab: `pip install tensorboard-plugin-profile`)."""
 
     def __init__(self, start_step=10, num_steps=20):
         self.start_step, self.stop_step, self.running = start_step, start_step + num_steps, False
@@ -456,9 +489,8 @@ class Profiler:
 
 
 class ProgressBar:
-    """The built-in progress bar, a hook like any other (process 0 only). `verbose=1`: a bar
-    with the loss, the monitored metric, one speed and an ETA that leaves compiles out, plus a
-    line per epoch that stays in the output; `verbose=2`: the lines only (for logs and CI)."""
+    """The built-in progress bar, a hook (process 0 only). `verbose=1`: a bar with the loss, the
+    monitor, speed and an ETA without compiles, and a line per epoch; `verbose=2`: the lines."""
 
     def __init__(self, verbose=1):
         self.verbose, self.bar, self.line, self.shown = verbose, None, None, {}
@@ -505,26 +537,23 @@ class _Bar(tqdm):
 class TensorBoard:
     """The built-in TensorBoard writer, a hook like any other (process 0 only): `train/` and
     `perf/` scalars at log points, `eval/` and `best/<monitor>` at evals, and the run's hparams
-    for the HParams tab, all in the run's own directory. `run.writer` is its SummaryWriter."""
+    for the HParams tab, all in `history.log_dir`. `run.writer` is its SummaryWriter."""
 
     def __init__(self, hparams):
-        # TensorBoard takes numbers, strings and booleans: numpy scalars become numbers (through
-        # JSON), the rest (None, lists) their text.
+        # TensorBoard takes numbers, strings, booleans: numpy scalars via JSON, the rest as text.
         self.hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                         for k, v in _jsonable(hparams).items()}
         self.writer = None
 
     def __call__(self, event, run):
         if event == "train_start":
-            # TensorBoard drops earlier points from this step on: the resumed run logs the
-            # steps after its checkpoint again (0 for a fresh run also clears a crashed try's).
+            # Purge the points from here on: a resume logs them again (0: a crashed try's too).
             purge = run.step + 1 if run.step else 0
             run.writer = self.writer = SummaryWriter(run.log_dir, purge_step=purge)
             self.flushed = time.monotonic()
-            # tensorboardX 2.6's flush() skips the queue of its writer thread, so a killed run
-            # could lose logs that its resume skips: write events directly. No public call
-            # drains that queue (only close() does, ending the writer), so this one use of a
-            # library's internals stays; check it when tensorboardX moves past 2.6.
+            # tensorboardX 2.6's flush() skips its writer thread's queue, so a killed run could
+            # lose logs that its resume skips: write events directly. No public call drains that
+            # queue (only close(), ending the writer): check this when tensorboardX passes 2.6.
             events = self.writer.file_writer.event_writer
             events.add_event = events._ev_writer.write_event
             if run.step == 0:  # once per run, at its start, so a crashed run shows them too
@@ -551,20 +580,18 @@ class TensorBoard:
             run.writer = self.writer = None
 
 
-# ----------------------------------------------------------------------------------------------
-# The run as hooks see it (_Run: the hooks' calls, the history, the best so far), the end of
-# an epoch, a save, an eval. The private parts follow in the order fit uses them.
+# -- The run as hooks see it, the best so far, an epoch's end, a save, an eval -----------------
 
 class _Run:
-    """What a hook sees: `event`, `step`, `epoch`, `state` (valid during the call only: the next
-    step donates it), `metrics`, `history`, `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`,
-    `writer`, `total_steps`, `num_epochs`, `stopped_early`, `interrupted`; what it may set:
-    `stop`, `save`, and at train_end `state`. At `log`, `step` is the log step whose interval
-    `metrics` covers and `state` is one call later (after step + 1, or the next steps_per_jit
-    group): fit reads a log point's metrics after it dispatches the next step, so that the host
-    never waits for the device, and the log step's own state has been donated by then. At every
-    other event `state` is the state of `step`. `_Run` calls the hooks, keeps the history, and
-    makes several processes agree on what the hooks and signals ask for."""
+    """What a hook sees: `event` (`train_start`, `log`, `epoch_end`, `eval`, `save` before a
+    checkpoint, `train_end`), `step`, `epoch`, `state` (valid during the call only: the next step
+    donates it), `metrics` (the interval's or epoch's train means, or the eval's), `history`,
+    `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`,
+    `stopped_early`, `interrupted`; it may set `stop` (final), `save`, and at train_end `state`. At
+    `log`, `step` is the log step whose interval `metrics` covers and `state` is one call later:
+    fit reads a log point's metrics after it dispatches the next step, so the host never waits for
+    the device; at other events `state` is that of `step`. `_Run` calls the hooks, keeps the
+    history and hooks' `get_state()`, and makes processes agree on what hooks and signals ask."""
 
     def __init__(self, hooks, plan, ckpts, best, progress):
         self.hooks, self.best_of, self.hook_states = hooks, best, progress.hooks
@@ -585,9 +612,8 @@ class _Run:
         return self.best_of.value
 
     def call(self, event, state, step, epoch, *, metrics=None, save=False, stop=None):
-        """Calls every hook with (event, run), then takes what they asked for. With several
-        processes, a stop or save that any process asks for (a hook, a signal: `stop`) holds
-        for all, so that every process agrees on what comes next."""
+        """Calls every hook with (event, run), then takes what they asked for. A stop or save that
+        any of several processes asks for (a hook, a signal: `stop`) holds for all."""
         self.event, self.state, self.step, self.epoch = event, state, step, epoch
         self.metrics, self.stop, self.save = metrics or {}, False, self.save or save
         self.stopping = self.stopping or stop
@@ -609,9 +635,8 @@ class _Run:
         return self.state
 
     def log(self, state, epoch, logged, *, save=False, stop=None):
-        """The log events of the intervals `_Meter.read` returned; the wall-time checkpoint
-        schedule (`save`) and a signal's stop on one of several processes (`stop`) are decided
-        at log points only."""
+        """The log events of the intervals `_Meter.read` returned; the wall-time schedule (`save`)
+        and a signal to one of several processes (`stop`) are decided at log points only."""
         for at, metrics in logged:
             self.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
 
@@ -633,8 +658,7 @@ class _Run:
         return self.call("train_end", state, step, epoch)
 
     def close(self):
-        """After an error: the built-in hooks close their bar and files (no train_end for the
-        user's hooks: the run did not end)."""
+        """After an error: the built-in hooks close bar and files (the user's get no train_end)."""
         if self.event != "train_end":
             self.interrupted = True
             for hook in [h for h in self.hooks if isinstance(h, (TensorBoard, ProgressBar))]:
@@ -642,9 +666,8 @@ class _Run:
 
 
 class _Best:
-    """The one owner of the best checkpoint: the monitored metric and its mode, the best value
-    so far and its step, the values of the `max_to_keep` best checkpoints (`top`), the value a
-    save is ranked by, and what orbax keeps."""
+    """The one owner of the best checkpoint: the monitor and its mode, the best value so far and
+    its step, the values of the `max_to_keep` best (`top`), a save's rank, what orbax keeps."""
 
     def __init__(self, plan, max_to_keep):
         self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, max_to_keep
@@ -687,17 +710,15 @@ class _Best:
         policy = policies.AnyPreservationPolicy([policies.LatestN(1), policies.BestN(
             get_metric_fn=metric, reverse=self.mode == "min", n=self.max_to_keep,
             keep_checkpoints_without_metrics=False)])
-        # best_fn as well: orbax 0.12 writes a step's metrics to disk only with it, and a
-        # manager opened to resume reads them back; without them BestN took the earlier
-        # runs' best for a save without metrics and deleted it at the first new save.
+        # best_fn too: orbax 0.12 writes a step's metrics to disk (read back on resume) only with
+        # it; without, BestN took earlier runs' best for a metric-less save and deleted it.
         return dict(preservation_policy=policy, best_fn=metric, best_mode=self.mode)
 
 
 @dataclasses.dataclass
 class _Progress:
-    """What a checkpoint holds besides the state: all that a resume needs to go on exactly, the
-    JSON item `meta`. Its fields and defaults are here, and so are its reader (a field that an
-    older checkpoint lacks takes its default), its writer and the checks on resume."""
+    """What a checkpoint holds besides the state, all a resume needs to go on exactly (the JSON
+    item `meta`): fields, defaults, reader (a missing field: its default), writer, resume checks."""
     epoch: int = 0
     position: Any = (0, None)  # batches done in the epoch, the data iterator's state after them
     meter: Any = None          # the train metrics' sums (_Meter.sums)
@@ -720,8 +741,7 @@ class _Progress:
         return _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def check(self, run, seed, batching):
-        """Whether this call goes on where the run stopped: the same seed (its shuffles and
-        keys) and batching (None: a checkpoint that did not record it, or an unknown length)."""
+        """Checks the seed (shuffles, keys) and batching against the run's (None: not known)."""
         if self.seed is not None and self.seed != seed:
             raise ValueError(f"fit: run {run} was trained with seed={self.seed}; resume it with "
                              f"that seed, or start a fresh run.")
@@ -741,8 +761,7 @@ class _Progress:
 
 
 def _end_epoch(state, step, epoch, *, complete, run, meter, plan, evaluate):
-    """An epoch's end: its last log interval, its means in the history, the epoch_end hooks,
-    then an eval if one is due. `complete=False`: max_steps ended the run inside the epoch."""
+    """An epoch's end: last log, history row, hooks, due eval (`complete=False`: max_steps cut)."""
     run.log(state, epoch, meter.read(step, log_due=True, sync=True))
     row = meter.means("epoch", reset=complete)  # (a cut epoch's sums go on after a resume)
     run.record(row, ("epoch", epoch + 1), ("step", step))
@@ -754,9 +773,8 @@ def _end_epoch(state, step, epoch, *, complete, run, meter, plan, evaluate):
 
 
 def _save(state, step, epoch, position, *, base, run, meter, ckpts, verbose):
-    """Writes a checkpoint of this step, asynchronously, with all the rest of the run depends on
-    (`base`: the `_Progress` fields of the call, the rest is filled in here). Reading the metrics
-    and checking the parameters first: a NaN state is never written."""
+    """A checkpoint of this step (asynchronous) with all the run depends on (`base`, filled in);
+    first the metrics are read and the parameters checked, so a NaN state is never written."""
     if step == ckpts.saved:
         return
     run.log(state, epoch, meter.read(step, log_due=False, sync=True))
@@ -780,8 +798,7 @@ def _save(state, step, epoch, position, *, base, run, meter, ckpts, verbose):
 
 
 def _evaluate(steps, test, put, meter, state):
-    """Metrics over the whole eval set: their totals and weights, summed on device and read once
-    at the end (`meter`: the clock that leaves evals out of the train rate, or None)."""
+    """Metrics over the eval set, summed on device, read once (`meter`: evals out of the rate)."""
     with meter.timed("eval") if meter else contextlib.nullcontext():
         acc = steps.eval0
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), put):
@@ -795,23 +812,21 @@ def _evaluate(steps, test, put, meter, state):
             for k, total, weight in zip(steps.eval_names, sums[:m], sums[m:])}
 
 
-# ----------------------------------------------------------------------------------------------
-# Data: batches from arrays, re-iterables and one-shot iterators, with their positions for a
-# resume; steps_per_jit's groups; prefetch and placement on the devices.
+# -- Data: batches, their positions for a resume; steps_per_jit's groups; prefetch, placement --
 
 _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
 
 
 class _Data:
     """A data argument as per-epoch iterators of `(batch, position)` on the host; `position`
-    (batches done this epoch, iterator state) is where a checkpoint of that batch resumes. Arrays
-    `(x, y)` are batched and shuffled from `(seed, epoch)`; a re-iterable (list, loader) is read
-    once per epoch; a one-shot iterator is one stream, `steps_per_epoch` batches an epoch."""
+    (batches done this epoch, iterator state) is where a checkpoint of that batch resumes, exactly
+    for arrays `(x, y)` (shuffled from `(seed, epoch)`), a re-iterable yielding the same batches at
+    each `iter()` (read once per epoch), an iterator with `get_state()`/`set_state()`, and a
+    deterministic one-shot stream (`steps_per_epoch` batches an epoch)."""
 
     def __init__(self, ds, name, opts, train):
         self.name, self.shuffle, self.seed = name, train, opts.seed
-        # (the user's own functions take batches as they come)
-        self.keys = opts.batch_keys
+        self.keys = opts.batch_keys  # (custom functions take batches as they come)
         self.custom = (opts.train_step if train else opts.eval_step) or opts.nnx_loss_fn
         self.steps_per_epoch = opts.steps_per_epoch if train else opts.eval_steps
         # (x, y): two arrays, or anything np.asarray takes that has a shape (torch, tf tensors)
@@ -850,16 +865,14 @@ class _Data:
         raw = next(iterator, None)
         if raw is None:
             raise ValueError(f"fit: {self.name} is empty: it yielded no batches.")
-        # Epoch 0 goes on from this iterator: a loader with workers (torch, grain) starts them
-        # at each iter(), which can take seconds.
+        # Epoch 0 goes on from this iterator: loaders start workers at each iter(), for seconds.
         self.peeked = None if self.stream else (iterator, raw, _position(iterator))
         self.ds, self.fresh = (itertools.chain([raw], iterator) if self.stream else ds), True
         self.length = len(ds) if hasattr(ds, "__len__") and not self.stream else None
         return self._convert(raw, 0)
 
     def describe(self):
-        """What every process must agree on: batches per epoch ('?': not known before
-        iterating), how many of each size, and the first batch's shapes and dtypes."""
+        """What processes must agree on: batch count ('?': unknown), sizes, first batch's shapes."""
         counts = sorted(collections.Counter(self.sizes or []).items())
         sizes = ", ".join(f"{k} of {n}" for n, k in counts)
         shapes = ", ".join(f"{s.shape} {s.dtype}" for s in jax.tree.leaves(self.spec))
@@ -895,8 +908,7 @@ class _Data:
         return batch
 
     def epoch(self, epoch, skip=0, data_state=None):
-        """Yields `(batch, position)` for one epoch, skipping the first `skip` batches (already
-        trained on before a resume) without converting or placing them."""
+        """One epoch's `(batch, position)`, skipping `skip` batches (trained before a resume)."""
         if self.arrays:
             order = np.arange(len(self.x))
             if self.shuffle:
@@ -907,8 +919,7 @@ class _Data:
                 yield (self.x[idx], self.y[idx]), (i + 1, None)
             return
         if self.stream:
-            # A resumed stream restarts at its beginning: drop what earlier epochs and this one
-            # already consumed (exact when the stream is deterministic).
+            # A resumed stream restarts: drop what was consumed (exact if it is deterministic).
             drop = skip + epoch * (self.steps_per_epoch or 0) if self.fresh else skip
             self.fresh = False
             pairs = ((raw, None) for raw in itertools.islice(self.ds, drop, None))
@@ -922,8 +933,7 @@ class _Data:
                              f"re-iterable (a list, a loader) or steps_per_epoch=.")
 
     def _positioned(self, epoch, skip, data_state):
-        """A re-iterable's batches, each with the iterator's state right after it: where a
-        resume goes on from once that batch has been trained on."""
+        """A re-iterable's batches, each with the iterator's state after it (its position)."""
         peeked, self.peeked = self.peeked, None
         if peeked and not (epoch or skip):
             iterator, raw, position = peeked
@@ -944,8 +954,7 @@ class _Data:
 
 
 def _position(iterator):
-    """A resumable (grain) iterator's state as JSON for the checkpoint, else None; grain's
-    DataLoader gives bytes of JSON."""
+    """A resumable (grain) iterator's state as JSON (DataLoader's bytes as text), else None."""
     if not (hasattr(iterator, "get_state") and hasattr(iterator, "set_state")):
         return None
     state = iterator.get_state()
@@ -953,9 +962,8 @@ def _position(iterator):
 
 
 def _grouped(batches, k, step, max_steps=None, said=None):
-    """Stacks runs of `k` equally shaped batches for `steps_per_jit`, starting at multiples of k
-    in absolute steps, so a resumed run groups (and rounds) like the original; other batches run
-    as single steps. Yields `(batch, position after it, steps)`."""
+    """Yields `(batch, position, steps)`: runs of `k` equally shaped batches stacked (steps_per_jit)
+    from multiples of k in absolute steps, so a resume groups alike; other batches run singly."""
     group, said = [], set() if said is None else said  # (said: warnings given in this call)
     for batch, position in batches:
         if group and not _same_shapes(batch, group[0][0]):  # another shape ends the group:
@@ -987,8 +995,7 @@ def _same_shapes(a, b):
 
 
 def _kinds(batch):
-    """What every batch of a data set shares, whatever its size and lengths: the structure and
-    each array's dtype and number of dimensions (the compiled steps' cache key holds it)."""
+    """What all batches of a data set share: structure, dtypes, ranks (a key of the step cache)."""
     return jax.tree.structure(batch), tuple((str(a.dtype), len(a.shape))
                                             for a in jax.tree.leaves(batch))
 
@@ -1006,8 +1013,8 @@ def _prefetch(batches, put, size=2):
 
 
 def _put(mesh, data_axis, batch, stacked=False):
-    """Shards a host batch along its leading axis over the mesh. A batch that does not split
-    evenly (a small last batch) goes whole to every device: exact, at the cost of redundant work."""
+    """Shards a host batch (this process's rows) along its leading axis over the mesh. A batch that
+    does not split evenly (a small last batch) goes whole to every device: exact, if redundant."""
     if mesh.size == 1 and jax.process_count() == 1 and mesh.devices.flat[0].platform == "cpu":
         return batch  # one CPU device: jit's own C++ path takes numpy faster than device_put
     n = jax.tree.leaves(batch)[0].shape[int(stacked)]
@@ -1023,8 +1030,7 @@ def _put(mesh, data_axis, batch, stacked=False):
     return jax.device_put(batch, sharding)
 
 
-# ----------------------------------------------------------------------------------------------
-# The plan: every period converted to steps once; the monitor and its mode.
+# -- The plan: every period converted to steps once; the monitor and its mode ------------------
 
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
@@ -1090,15 +1096,12 @@ def _pick_monitor(monitor, mode, train_names, eval_names):
     return monitor, mode
 
 
-# ----------------------------------------------------------------------------------------------
-# The compiled steps: every jax.jit of a run, built from _StepConfig and the user's functions,
-# and cached by them; the default train step and the on-device bookkeeping.
+# -- Every jax.jit, built from _StepConfig and cached; the train step; device-side sums --------
 
 @dataclasses.dataclass(frozen=True)
 class _StepConfig:
-    """Exactly what traced code reads: the jitted steps are built from it and the user's
-    functions, never from `Options`, and the compiled steps are cached by it, so an option that a
-    step comes to read cannot be left out of the cache's key."""
+    """Exactly what traced code reads: the jitted steps are built from it and your functions, never
+    from `Options`, and cached by it, so an option a step comes to read cannot miss the key."""
     forward: Any          # how fit calls the model: _linen_forward, or an nnx model's own
     loss_fn: Any          # loss_fn(outputs, targets), given to forward (nnx_loss_fn: forward's)
     loss_name: str        # "loss_fn" or "nnx_loss_fn", for messages
@@ -1127,8 +1130,7 @@ _STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (
 def _build_steps(state, train, test, config, mesh):
     """The steps of an earlier call with the same `_StepConfig` (the functions and what traced
     code reads), optimizer (in the state's treedef), placement and kinds of batches, so that
-    JAX's compile cache serves them (a notebook cell run again compiles nothing); else new ones.
-    At most 8 are kept."""
+    JAX's compile cache serves them (a notebook cell run again compiles nothing); else new ones."""
     key = (config, mesh, _kinds(train.spec), test and _kinds(test.spec),
            jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
     reuse = config.forward is _linen_forward  # (nnx closures hold the model: never kept)
@@ -1143,8 +1145,7 @@ def _build_steps(state, train, test, config, mesh):
 
 
 def _cached(key, reuse, build):
-    """What `build()` made for an earlier call with an equal `key`, else `build()`, kept while
-    it is among the 8 most recently used (`reuse`: it may be kept at all)."""
+    """`build()`, or what it made for an equal `key`, kept among the 8 last used if `reuse`."""
     try:
         hash(key)
     except TypeError:  # (a function or an optimizer that cannot be a key)
@@ -1161,10 +1162,10 @@ def _cached(key, reuse, build):
 
 
 def _new_steps(state, train, test, config, mesh):
-    """Every jax.jit of the run, built once: the train step (alone, and as a scan over
-    `steps_per_jit` stacked batches) and the eval step, each summing its metrics on device. The
-    user's step is traced once (jax.eval_shape) for its metric names, before any compile, and
-    jitted on its own so that the real call reuses that trace (a model's trace costs 0.1-0.2 s)."""
+    """Every jax.jit of the run, built once: the train step (alone, and scanned over `steps_per_jit`
+    stacked batches) and the eval step, each summing metrics on device. The user's step is traced
+    (eval_shape) for its metric names before any compile, and jitted alone, so that the real call
+    reuses that trace (a model's trace costs 0.1-0.2 s)."""
     replicated, user_step, seed = NamedSharding(mesh, P()), config.train_step, config.seed
     who = "train_step" if user_step else config.loss_name
     step_fn = user_step or _default_train_step(config)
@@ -1181,8 +1182,7 @@ def _new_steps(state, train, test, config, mesh):
     traced = _metric_names(_trace(step_fn, state, train.spec, config, fix)[1], who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
-    # The learning rate a step used, read from the state after it: lr_fn of the step's number,
-    # or what optax's inject_hyperparams stored in the optimizer state.
+    # The lr a step used, from the state after it: lr_fn(step), or inject_hyperparams' value.
     is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
     lr_of = lambda s: optax.tree.get(s.opt_state, "learning_rate", filtering=is_array)
     if config.lr_fn is not None:
@@ -1199,15 +1199,13 @@ def _new_steps(state, train, test, config, mesh):
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
     eval_fn, eval_names = _eval_step(state, test, config, mesh)
     run_train = lambda state, acc, batch, k: (train_1 if k == 1 else train_k)(state, acc, batch)
-    # The check before every save: a state with non-finite parameters is never written.
-    param_norm = jax.jit(_param_norm, out_shardings=replicated)
+    param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
     return _Steps(run_train, eval_fn, param_norm, None, None, names, names + norms, eval_names,
                   lr_of is not None)
 
 
 def _eval_step(state, test, config, mesh):
-    """The jitted eval step, which adds a batch's metric totals and weights (its rows, for a
-    plain mean) to the sums, and the metric names."""
+    """The jitted eval step (adds a batch's totals and weights, rows for a mean), and the names."""
     if test is None:
         return None, []
     eval_step, forward, own = config.eval_step, config.forward, config.loss_name == "nnx_loss_fn"
@@ -1236,11 +1234,10 @@ def _eval_step(state, test, config, mesh):
 
 
 def _under(mesh, fn):
-    """`fn` traced under a mesh of Explicit axes, as your own step under `jax.set_mesh(mesh)`
-    would be: such a model names the mesh's axes (`out_sharding=P("data", None)`). Entered when
-    JAX traces `fn`, not around each call (set_mesh costs ~30 us a call) nor around hooks. Not
-    for Auto axes, where Flax's partitioning annotations stay no-ops, as they were: a model
-    annotated for a "model" axis trains on fit's data-only mesh."""
+    """`fn` traced under a mesh of Explicit axes, as your own step under `jax.set_mesh(mesh)` would
+    be, for a model that names its axes (`out_sharding=P("data", None)`): entered at trace time,
+    not at each call (set_mesh costs ~30 us) nor around hooks. Not for Auto axes: there Flax's
+    partitioning annotations stay no-ops (a model annotated for a "model" axis trains data-only)."""
     if jax.sharding.AxisType.Explicit not in mesh.axis_types:
         return fn
 
@@ -1251,8 +1248,7 @@ def _under(mesh, fn):
 
 
 def _linen_forward(loss_fn, state, params, batch, rng, *, train):
-    """A linen model's loss: `(loss_fn(outputs, targets), new batch_stats)`. BatchNorm statistics
-    update in train mode; dropout draws from `rng`."""
+    """A linen model's `(loss_fn(outputs, targets), new batch_stats)`; dropout draws from `rng`."""
     inputs, targets = batch
     stats = getattr(state, "batch_stats", {})  # (a class without the field: a model without)
     has_stats = bool(jax.tree.leaves(stats))
@@ -1265,9 +1261,8 @@ def _linen_forward(loss_fn, state, params, batch, rng, *, train):
 
 
 def _default_train_step(config):
-    """The one gradient step of linen and nnx models alike: the loss of a forward pass in train
-    mode, the gradients, one update. With `axis_name` it runs on each device's share of the
-    batch (under shard_map) and averages gradients and metrics, as pmap-era code did."""
+    """The one gradient step of linen and nnx models: a train-mode forward pass's loss, gradients,
+    an update; with `axis_name`, per device (shard_map), averaging gradients and metrics as pmap."""
 
     axis = config.axis_name
 
@@ -1294,9 +1289,8 @@ def _default_train_step(config):
 
 
 def _step_key(state, seed):
-    """The key of this step, a pure function of the run's base key and the step, so that a
-    resumed run draws what an uninterrupted one would. The base key is the state's `rng` where
-    its class has that field, else the seed's."""
+    """This step's key, a pure function of the base key (the state's `rng`, else the seed's) and
+    the step, so that a resumed run draws what an uninterrupted one would."""
     rng = getattr(state, "rng", None)
     rng = jax.random.key(seed) if rng is None else rng
     return jax.random.fold_in(rng if _is_key(rng) else jax.random.wrap_key_data(rng), state.step)
@@ -1311,9 +1305,8 @@ def _takes_three(fn):
 
 
 def _split_loss(out, who):
-    """`(loss, metrics)` of a loss function's output: a loss, or a loss and a dict of metrics.
-    An aux that is an array of logits (the NNX tutorial's loss_fn returns them, for metrics it
-    computes elsewhere) is left out."""
+    """`(loss, metrics)` of a loss, or of a loss and a dict of metrics; an aux that is an array of
+    logits (the NNX tutorial's loss_fn returns them, for metrics made elsewhere) is left out."""
     loss, metrics = out if isinstance(out, tuple) else (out, {})
     if not hasattr(loss, "dtype") and not isinstance(loss, float):  # (a dict, a list, None)
         raise TypeError(f"fit: {who} must return a scalar float loss, or a pair (loss, "
@@ -1359,16 +1352,14 @@ _Train = collections.namedtuple("_Train", "step_fn names lr_of config")  # one t
 
 
 def _train_and_accumulate(train, state, acc, batch):
-    """One train step plus the on-device bookkeeping: metric sums since the last log point, the
-    non-finite steps, the learning rate, and the norms of a log step. They travel as two arrays,
-    the floats and the counts: on XLA's CPU backend every small op, input and output costs
-    microseconds a step, which a tiny model feels."""
+    """One train step plus the on-device bookkeeping (metric sums since the last log point, the
+    non-finite steps, the lr, a log step's norms) as two arrays, floats and counts: on XLA's CPU
+    backend every small op, input and output costs microseconds a step, which a tiny model feels."""
     names, config = train.names, train.config
     new_state, metrics = train.step_fn(state, batch)
     metrics = _as_dict(metrics, "loss")
     skip = config.skip
-    # With "skip", the parameters' norm is checked at every step, to drop an update that makes
-    # them non-finite; else at log steps and before saves.
+    # "skip" checks the parameters' norm every step, to drop an update that makes them non-finite.
     norm = optax.tree.norm(new_state.params) if skip else _log_norm(state, config,
                                                                      new_state.params)
     norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)],
@@ -1423,9 +1414,8 @@ def _totals_and_weights(metrics, rows):
 
 
 def _trace(fn, state, spec, config, fix=None):
-    """The output shapes of `fn(state, batch)`: checks the user's functions before any compile
-    or directory, and turns three cryptic failures into advice. `fix`: what to pass instead of
-    fit's own call of the model, if `fn` makes one."""
+    """`fn(state, batch)`'s output shapes: checks your functions before any compile or directory,
+    turning three cryptic failures into advice (`fix`: what to pass instead of fit's model call)."""
     try:
         return jax.eval_shape(fn, state, spec)
     except NameError as e:
@@ -1459,14 +1449,13 @@ def _trace(fn, state, spec, config, fix=None):
                         f"'batch_stats'])), or use fit.TrainState.") from None
 
 
-# ----------------------------------------------------------------------------------------------
-# nnx models, trained as a TrainState of their variables.
+# -- nnx models, trained as a TrainState of their variables ------------------------------------
 
 def _nnx_adapter(model, optimizer, who="fit", *, nnx_loss_fn=None, eval_step=None):
-    """An nnx model and its optimizer as a TrainState: `params` is what the optimizer trains
-    (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the Rngs' state, so dropout
-    resumes exactly). Each step merges them into a module in plain `jax.jit` (nnx.jit costs ~0.3
-    ms more a call); `finish(state)` writes the user's model and optimizer, in place."""
+    """An nnx model and its optimizer as a TrainState of plain dicts (what hooks see): `params` is
+    what the optimizer trains (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the
+    Rngs' state, so dropout resumes exactly). Each step merges them in plain `jax.jit` (nnx.jit
+    costs ~0.3 ms more a call); `finish(state)` writes the user's model and optimizer, in place."""
     from flax import nnx
     if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only): no optimizer
         optimizer = types.SimpleNamespace(tx=None, opt_state=None, step=np.int32(0), wrt=nnx.Param)
@@ -1530,13 +1519,11 @@ def _call_nnx_loss(fn, model, batch, rngs):
     return fn(model, batch, rngs)
 
 
-# ----------------------------------------------------------------------------------------------
-# Train metrics and time, on the host: read one step late, checked for non-finite values.
+# -- Train metrics and time on the host: read one step late, checked for NaN and Inf -----------
 
 class _Meter:
-    """The host side of train metrics and of time. At a log point `read` keeps the device's sums
-    and reads them one step later, when the device has finished them, so the host never waits.
-    `sums` is checkpointed, so a resumed run logs what an uninterrupted one would."""
+    """The host side of train metrics and time: sums read one step late, so the host never waits,
+    and checkpointed (`sums`), so a resumed run logs what an uninterrupted one would."""
 
     def __init__(self, steps, opts, sums, step):
         self.names, self.acc0, self.acc = steps.acc_names, steps.acc0, steps.acc0
@@ -1546,8 +1533,7 @@ class _Meter:
         self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
         self.pending, self.lr, self.logged, self.first_step = None, None, step, step
         self.compiled, self.inflight, self.compile_shown = set(), collections.deque(), 0.0
-        # The batch shapes fed since the last log point, where they changed: processes compare
-        # them there (a mismatch would not hang: it would train silently wrong).
+        # The batch shapes fed since the last log point, where they changed (_agree_shapes).
         self.shape, self.changes, self.fed, self.said = None, [], step, set()
         # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
         self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data")}
@@ -1573,17 +1559,15 @@ class _Meter:
                 warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, "
                               f"and each new shape compiles the step again; pad them to a few "
                               f"lengths (buckets) instead.")
-        # Keep the host at most two calls ahead, so it does not queue up batches.
         self.inflight.append(self.acc["count"])
-        if len(self.inflight) > 2:
+        if len(self.inflight) > 2:  # the host stays <= 2 calls ahead: no queue of batches
             self.inflight.popleft().block_until_ready()
         self.t_ready = time.perf_counter()
         return state
 
     def read(self, step, log_due, sync=False):
-        """`[(step, metrics)]` of the log points ready now. At a log point its sums are set
-        aside and read at the next call, one step later, when the device has finished them;
-        with `sync` (an epoch's end, a save) they are read at once, the device waited for."""
+        """`[(step, metrics)]` of the log points ready now: a log point's sums are read at the next
+        call, when the device has finished them; with `sync` (an epoch's end, a save), at once."""
         ready = [self.pending] if self.pending else []  # (the last log point's, finished now)
         self.pending = None
         if log_due or sync:
@@ -1601,8 +1585,7 @@ class _Meter:
         return logged
 
     def _agree_shapes(self, step):
-        """Every process fed batches of the same shapes since the last log point (with length
-        buckets a mismatch would not hang: it would train silently wrong)."""
+        """Every process fed batches of the same shapes since the last log point (_check_data)."""
         fed = "; ".join(f"step {s + 1}: {shape[1:]}" for s, shape in self.changes)
         _agree(fed or "no new shape", f"the processes fed batches of different shapes by step "
                                       f"{step}")
@@ -1651,8 +1634,7 @@ class _Meter:
         return [(step, means)]
 
     def check(self, step, norm, state=None):
-        """Raises if the parameters' `norm` (of `state`, before a save) is not finite: a NaN or
-        Inf state is never checkpointed."""
+        """A non-finite parameters' `norm` (of `state`, before a save) raises: no NaN is saved."""
         if state is not None:
             norm = float(self.param_norm(state))
         if not (math.isfinite(norm) or self.skipping):
@@ -1677,8 +1659,7 @@ class _Meter:
 
     @contextlib.contextmanager
     def timed(self, what, steps=0):
-        """Times a compile, an eval, a save's blocking part or the wait for the last save to
-        commit, to leave it out of the rate."""
+        """Times what the steady rate leaves out: a compile, an eval, a save, the final commit."""
         t = time.perf_counter()
         yield
         self.spent[what][0] += time.perf_counter() - t
@@ -1699,13 +1680,14 @@ class _Meter:
                 "wall_s": time.perf_counter() - self.t0}
 
 
-# ----------------------------------------------------------------------------------------------
-# Checkpoints: the run's claim and lock, orbax's manager, saves, restores, damaged steps.
+# -- Checkpoints: the run's claim and lock, orbax, saves, restores, damaged steps --------------
 
 class _Checkpoints:
-    """The run's name, claim and directories, its orbax manager, restore, saves and their
-    wall-time schedule, and the errors of asynchronous saves. A fresh run makes its checkpoint
-    directory (its claim) before the first step; nothing else is written before a save."""
+    """The run's claim (a fresh run's checkpoint directory and `fit.lock`, made at the start) and
+    directories, its orbax manager, restore, and saves: at the first log point `ckpt_interval` s
+    after the last, every `ckpt_every` steps, after an eval that enters the kept best, when a hook
+    asks, on every stop and at the end. A failed save raises one `OSError` naming the step, the
+    cause and the last good checkpoint, which stays intact."""
 
     def __init__(self, opts, best, base, claim=True):
         workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
@@ -1724,8 +1706,7 @@ class _Checkpoints:
         self.mgr, self.saved, self.good, self.calls = None, None, None, 0
 
     def restore(self, state):
-        """The state and `_Progress` of the run's latest checkpoint, checked against this call,
-        or the state as given and a fresh `_Progress`."""
+        """The latest checkpoint's state and `_Progress`, checked against this call; else fresh."""
         if not self.resumed:
             return state, _Progress()
         self.open()
@@ -1747,8 +1728,7 @@ class _Checkpoints:
                 cleanup_tmp_directories=True, **self.best.manager_options()))
 
     def overdue(self):
-        """Whether `ckpt_interval` seconds have passed since the last save. Also raises the
-        error of an asynchronous save that has failed since, as soon as it is known."""
+        """`ckpt_interval` passed since the last save? Also raises a failed async save's error."""
         # (One process alone: orbax's wait may be a collective, and processes need not agree on
         # whether a save is still in progress; there, errors come at the next save.)
         if self.mgr and jax.process_count() == 1 and not self.mgr.is_saving_in_progress():
@@ -1811,8 +1791,7 @@ class _Checkpoints:
 
 
 def _quiet_orbax(record):
-    """Orbax's background threads log a failed save's traceback (through absl's logger) before
-    fit can raise it as one clear error; hide those records while fit runs, and only those."""
+    """While fit runs, hides orbax's logged tracebacks of a failed save (fit raises it clearly)."""
     return f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
@@ -1826,8 +1805,8 @@ def _open(ckpt_dir, options):
 
 
 def _restore(mgr, step, state, who, weights_only=False):
-    """Restores `(state, meta)` of `step` into `state`'s structure, shapes and shardings;
-    `weights_only`: only its `params` and `batch_stats`, into a state with any optimizer."""
+    """`(state, meta)` of `step`, into `state`'s structure, shapes, shardings (`weights_only`: its
+    `params` and `batch_stats`, into a state with any optimizer)."""
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           _key_data(state))
     # Compare first: orbax's own errors do not name the parameter whose shape differs.
@@ -1876,8 +1855,7 @@ def _restore(mgr, step, state, who, weights_only=False):
 
 @contextlib.contextmanager
 def _restoring(mgr, step, who):
-    """Any failure to read a checkpoint (a truncated file, a missing item, half a JSON file)
-    as one error that says what to do."""
+    """Any failure to read a checkpoint (truncated file, missing item, half a JSON) as one error."""
     try:
         yield
     except Exception as e:
@@ -1885,8 +1863,7 @@ def _restoring(mgr, step, who):
 
 
 def _unrestorable(mgr, step, error, who):
-    """The error for a damaged checkpoint: its step, the cause in a line, the earlier steps
-    and how to go on from the latest of them."""
+    """The error for a damaged checkpoint: its step, the cause, the earlier steps, how to go on."""
     path = os.path.join(str(mgr.directory), str(step))
     earlier = sorted(s for s in mgr.all_steps() if s < step)
     go_on = (f"The run's earlier checkpoints: steps {earlier}. To go on from step {earlier[-1]}, "
@@ -1899,9 +1876,8 @@ def _unrestorable(mgr, step, error, who):
 
 
 def _quiet_failed_save(ckpt_dir):
-    """After a failed save, orbax's other writes of it still end (in tasks of its closed event
-    loop, in its threads) and report the same error again, some after the caller has caught
-    fit's: hide those reports, for the rest of the process."""
+    """After a failed save, orbax's other writes of it end later (its closed loop's tasks, its
+    threads), reporting the error again, some after the caller caught fit's: hide those for good."""
     def echo(record):  # (the failed save's own error, reported again)
         text = record.getMessage() + (
             "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
@@ -1922,9 +1898,8 @@ def _quiet_closed_loop(hook):
 
 
 def _cause(error):
-    """An exception and its chain in one line: the first line, cut at 200 characters, and an
-    operating system's error named anywhere in them (orbax's message says "No space left on
-    device" far past its first line)."""
+    """An exception and its chain in one line: the first line (at most 200 characters) and an OS
+    error named anywhere (orbax says "No space left on device" far past its first line)."""
     chain = []
     while error is not None and len(chain) < 8:
         chain.append(str(error) or type(error).__name__)
@@ -1941,10 +1916,9 @@ def _key_data(tree):
 
 
 def _claim_run(workdir, log_name, resume, claim=True):
-    """Picks the run and claims it for this job: `(name, whether it has a checkpoint to go on
-    from, the lock)`. Run names are `<log_name>_<n>`: a fresh run takes the next free n,
-    `resume=True` the highest, `resume="<name>"` that run. Process 0 claims; the others get its
-    answer, or its refusal, so that every process raises the same error."""
+    """Picks the run and claims it: `(name, whether it has a checkpoint, the lock)`. Runs are
+    `<log_name>_<n>`: a fresh run takes the next free n, `resume=True` the highest,
+    `resume="<name>"` that one. Process 0 claims; the others get its answer or its refusal."""
     answer, lock = ["", False, None, ""], None
     if jax.process_index() == 0:
         try:
@@ -1963,10 +1937,9 @@ def _claim_run(workdir, log_name, resume, claim=True):
 
 
 def _claim(workdir, log_name, resume, claim=True):
-    """A fresh run claims its directory with an exclusive mkdir (two processes started at once
-    get two runs), then every run takes an advisory lock for its life: a second writer of one
-    run is refused, and a writer that dies releases it (the kernel drops its locks). A fresh
-    run with nothing to do (`claim=False`: its state is past the end) makes nothing."""
+    """A fresh run claims its directory with an exclusive mkdir (two processes started at once get
+    two runs); every run then holds an advisory lock: a second writer is refused, and a writer that
+    dies releases it (the kernel drops its locks). `claim=False` (past the end) makes nothing."""
     root = os.path.join(workdir, "checkpoints")
     listed = lambda path: os.listdir(path) if os.path.isdir(path) else []
     runs = sorted(set(listed(os.path.join(workdir, "logs")) + listed(root)))
@@ -2024,14 +1997,12 @@ def _lock(run_dir):
     return lock
 
 
-# ----------------------------------------------------------------------------------------------
-# Signals: SIGINT, SIGTERM and preemption notices.
+# -- Signals: SIGINT, SIGTERM and preemption notices -------------------------------------------
 
 class _Signals:
-    """Why the run must stop: the first SIGINT/SIGTERM stops it after the step (a second SIGINT
-    at once). No handler off the main thread, nor for SIGTERM with several processes: JAX's
-    preemption notifier owns it, and orbax's `reached_preemption` tells all processes. Without
-    that notifier, a signal to one of several processes stops all at the next log point."""
+    """Why the run must stop (see fit). No handler off the main thread, nor for SIGTERM with several
+    processes: JAX's preemption notifier owns it, orbax's `reached_preemption` stops all at one
+    step, and Ctrl-C goes to it; without the notifier, Ctrl-C on one stops all at the next log."""
 
     def __init__(self):
         self.reason, self.asked, self.previous, self.forwarded = None, None, {}, False
@@ -2050,8 +2021,7 @@ class _Signals:
     def _handle(self, sig, frame):
         if (self.reason or self.asked or self.forwarded) and sig == signal.SIGINT:
             raise KeyboardInterrupt
-        # With several processes, stopping here alone would leave the others waiting in the
-        # next collective.
+        # With several processes, one stopping alone would leave the others in a collective.
         if jax.process_count() == 1:
             self.reason = signal.Signals(sig).name
         elif jax.config.jax_enable_preemption_service:  # it picks one step for all
@@ -2065,8 +2035,7 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-# ----------------------------------------------------------------------------------------------
-# Checks and small helpers.
+# -- Checks and small helpers ------------------------------------------------------------------
 
 def _check_state(state, opts):
     if not (opts.train_step or opts.loss_fn or opts.nnx_loss_fn):
@@ -2158,8 +2127,7 @@ def _agree(mine, what):
 
 @functools.lru_cache(maxsize=None)
 def _local_shards(mesh, axis):
-    """Over how many slices of `axis` this process's devices split its rows of a batch (the
-    whole axis in a single process)."""
+    """Over how many slices of `axis` this process's devices split its rows (all, alone)."""
     i = mesh.axis_names.index(axis)
     return len({idx[i] for idx in np.ndindex(mesh.devices.shape)
                 if mesh.devices[idx].process_index == jax.process_index()})
@@ -2172,9 +2140,8 @@ def _check_schedule(state, opts, total):
         return
     steps = np.linspace(0, total - 1, 65).astype(np.int32)
 
-    # The lr at `step` of an inject_hyperparams optimizer's schedule (an error where there is
-    # none). optax has no public call for it: its public tree API (optax.tree) sets the count
-    # of the schedule's state, found by its class name, and runs one update.
+    # An inject_hyperparams schedule's lr at `step` (an error if none). With no public call for it,
+    # optax.tree sets the count of the schedule's state (found by class name) and runs one update.
     def scheduled(step):
         s = state.tx.init({})
         wrapped = optax.tree.get(s, "WrappedScheduleState")
@@ -2246,10 +2213,9 @@ def _split(x):
 
 
 def _state_shardings(state, opts, mesh):
-    """Where each leaf of the state lives: `state_sharding` (a tree like the state, or a function
-    of it, of PartitionSpecs or shardings, as the user's own jax.jit would take: e.g. from
-    `flax.linen.get_partition_spec`), with specs laid over `mesh`; else where a leaf already is
-    split over `mesh`; else replicated."""
+    """Where each leaf of the state lives: `state_sharding` (a tree like the state, or a function of
+    it, of PartitionSpecs or shardings, as your own jax.jit takes, e.g. from
+    `flax.linen.get_partition_spec`) over `mesh`; else a leaf's own over `mesh`; else replicated."""
     if opts.state_sharding is None:
         return jax.tree.map(lambda x: x.sharding if _split(x) and x.sharding.mesh == mesh
                             else NamedSharding(mesh, P()), state)
@@ -2269,9 +2235,8 @@ def _state_shardings(state, opts, mesh):
 
 
 def _on_mesh(mesh, path, x, sharding):
-    """A leaf that `state_sharding` leaves on one device of a larger mesh (`x.sharding` of an
-    array made there, as fit's own `rng` is) is replicated if it is a scalar or fit's `rng`; a
-    larger one would make every step fail on "incompatible devices": say which it is."""
+    """A leaf `state_sharding` leaves on one device of a larger mesh (made there, as fit's `rng`) is
+    replicated if a scalar or `rng`; a larger one would fail every step ("incompatible devices")."""
     if len(sharding.device_set) != 1 or mesh.size == 1:
         return sharding
     name = jax.tree_util.keystr(path, simple=True, separator="/")
@@ -2308,8 +2273,7 @@ def _place_state(state, seed, sharding):
 
 
 def _is_nnx(x):
-    # (not importing flax.nnx: it costs every run that never uses it ~0.3 s and ~9 MB)
-    nnx = sys.modules.get("flax.nnx")
+    nnx = sys.modules.get("flax.nnx")  # (no import: it costs runs without nnx ~0.3 s, ~9 MB)
     return nnx is not None and isinstance(x, nnx.Module)
 
 

@@ -136,3 +136,56 @@ def test_evaluate_reuses_its_compiled_step_and_leaves_the_optimizer_state(digits
     again = evaluate(state, (xt, yt), eval_step, batch_size=64, mesh=one_device_mesh)
     assert compile_log.count("_eval_and_accumulate") == start, compile_log.messages[-3:]
     assert first == again and 0 <= first["accuracy"] <= 1
+
+
+# ----------------------------------------------------------------------------------------------
+# A checkpoint of the fit.py before the redesign (#24's, a9e2f28) resumes exactly: its `meta`
+# item is read by the one `_Progress` reader, whose defaults fill what an older file lacks.
+
+BEFORE = "a9e2f28"
+
+
+def _fit_at(commit, tmp_path, monkeypatch):
+    import importlib.util
+    root = os.path.dirname(HERE)
+    try:
+        source = subprocess.run(["git", "-C", root, "show", f"{commit}:fit.py"], check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"fit.py at {commit} is not in this checkout's git history")
+    path = tmp_path / f"fit_{commit}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"fit_{commit}", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look it up)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_checkpoint_of_the_fit_before_the_redesign_resumes_exactly(digits, tmp_path,
+                                                                     one_device_mesh,
+                                                                     monkeypatch):
+    from conftest import CNN, make_state
+    old = _fit_at(BEFORE, tmp_path, monkeypatch)
+    x, y, xt, yt = digits
+    data, test = (x[:256], y[:256]), (xt[:64], yt[:64])
+    kwargs = dict(loss_fn=loss_fn, eval_step=eval_step, batch_size=32, num_epochs=2,
+                  mesh=one_device_mesh, verbose=0, tensorboard=False)
+    made = make_state(CNN())
+    state = lambda module: module.TrainState.create(
+        apply_fn=made.apply_fn, params=made.params, batch_stats=made.batch_stats,
+        tx=optax.adam(1e-3))
+    # Stopped by max_steps inside epoch 2 (a cut epoch, with its row), then resumed to the end.
+    old.fit(state(old), data, test, max_steps=11, workdir=str(tmp_path / "a"), **kwargs)
+    resumed, history = fit(state(fit_module), data, test, workdir=str(tmp_path / "a"),
+                           resume=True, **kwargs)
+    full, full_history = fit(state(fit_module), data, test, workdir=str(tmp_path / "b"),
+                             **kwargs)
+    assert int(resumed.step) == int(full.step) == 16
+    for a, b in zip(jax.tree.leaves(jax.device_get((resumed.params, resumed.batch_stats,
+                                                    resumed.opt_state))),
+                    jax.tree.leaves(jax.device_get((full.params, full.batch_stats,
+                                                    full.opt_state)))):
+        assert np.array_equal(a, b)
+    assert history["step"][-1] == full_history["step"][-1] == 16
+    assert history["eval/accuracy"][-1] == full_history["eval/accuracy"][-1]
