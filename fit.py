@@ -21,24 +21,32 @@
     state, history = fit(state, train_ds, test_ds, loss_fn=loss_fn, eval_step=eval_step,
                          num_epochs=10, log_name="mnist", hparams={"lr": 1e-3})
 
-What you supply (`help(Options)` has every option, `help(fit)` what a run does)
-- A `TrainState` (below): params, optimizer, `batch_stats` (empty without BatchNorm), `rng`.
-- Data: `(x, y)` arrays with `batch_size=`, or any iterable of `(inputs, targets)` batches (a
-  list, a generator, `tfds.as_numpy(...)`, a loader); dict batches need `batch_keys=`.
-- `loss_fn(outputs, targets)`: the model is called as `apply_fn({"params", "batch_stats"},
-  inputs, train=True, mutable=["batch_stats"], rngs={"dropout": fold_in(rng, step)})`. Any
-  other model: pass `train_step(state, batch[, rng]) -> (state, metrics)`.
-- `eval_step(state, batch)`: per-batch means, which fit weights by batch size: the logged metric
-  is exactly the metric over the whole eval set.
-- Or an nnx model: `fit(model, ..., optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param))`;
-  `loss_fn` gets `model(inputs)` in train mode, `eval_step(model, batch)` the model in eval
-  mode; the model and the optimizer are updated in place.
-- Optional hooks `hook(event, run)`: `run.stop = True` stops, `run.save = True` saves (`_Run`).
+You supply (`help(Options)` has every option, `help(fit)` what a run does): a `TrainState` or an
+nnx model with `optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param)`; `(x, y)` arrays with
+`batch_size=` or any iterable of `(inputs, targets)` batches; `loss_fn(outputs, targets)`, the
+model called as `apply_fn({"params", "batch_stats"}, inputs, train=True, mutable=["batch_stats"],
+rngs={"dropout": fold_in(rng, step)})` (another model: `train_step(state, batch[, rng]) ->
+(state, metrics)`); `eval_step(state, batch)`, per-batch means that fit weights by batch size
+(exact over the eval set); hooks `hook(event, run)` that may set `run.stop`, `run.save` (`_Run`).
 
-How to read this file: `fit` is the whole story, top to bottom; then the rest of the public API
-(`load_ckpt`, `evaluate`, `History`, the hooks) and the parts fit uses, in its order, each opened
-by a banner comment: `_Run`, `_Data`, `_Plan`, `_build_steps`, `_nnx_adapter`, `_Meter`,
-`_Checkpoints`, `_Signals`, checks and helpers.
+How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
+that order, each opened by a banner comment. The map:
+
+    TrainState, Weighted, lr_schedule  public building blocks
+    Options                            every option, its default and its check
+    fit                                the story: check, place, build the steps, open the run, loop
+    load_ckpt, evaluate, History       the rest of the public API
+    EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
+    _Run, _Best, _Progress             what hooks see; the best checkpoint; what a checkpoint holds
+    _end_epoch, _save, _evaluate       an epoch's end, a save, an eval
+    _Data, _grouped, _prefetch, _put   batches and their positions; steps_per_jit; placement
+    _Plan                              every period in steps; the monitor
+    _StepConfig, _build_steps          every jax.jit, built from what traced code reads, cached
+    _nnx_adapter                       nnx models as a TrainState
+    _Meter                             train metrics and time on the host, one step late
+    _Checkpoints, _claim_run, _restore the run's claim and lock; orbax; damaged checkpoints
+    _Signals                           SIGINT, SIGTERM, preemption
+    checks and helpers                 option rules, meshes, shardings, placing the state
 """
 import collections.abc
 import contextlib
@@ -228,8 +236,10 @@ class Options:
     def __repr__(self):  # (a jitted step's error prints it: not the user's optimizer or model)
         return "<fit options>"
 
-    def hparams_used(self, derived):
-        """The HParams tab's values: plain-valued options, the derived values, the `hparams`."""
+    def hparams_used(self, plan, batch_size, devices):
+        """The HParams tab's values: plain-valued options, what the run derived, the `hparams`."""
+        derived = {"batch_size": batch_size, "devices": devices, "monitor": plan.monitor,
+                   "steps_per_epoch": plan.steps_per_epoch, "mode": plan.mode}
         skip = ("workdir", "log_name", "resume", "verbose", "tensorboard", "hparams")
         plain = (type(None), bool, int, float, str, np.generic)  # what TensorBoard can show
         used = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -245,12 +255,9 @@ def fit(state, train_ds, test_ds=None, **options):
     nothing (an nnx model compiles anew). A resume goes on from the run's latest checkpoint with the
     state, the position in the data, the history, the best and the hooks' state, as an uninterrupted
     run would; a finished run returns at once. A run that `max_steps` cut mid-epoch has a history
-    row and an eval there; resumed, the epoch's row at its end holds the whole epoch's means. Ctrl-C
-    or SIGTERM stops after the step with a checkpoint, resumably (the history's `stopped`); SIGTERM
-    then exits 143, a second Ctrl-C aborts at once. After the last step, SIGTERM still exits 143 and
-    Ctrl-C raises `KeyboardInterrupt`, once the final checkpoint is committed. Off the main thread
-    fit cannot catch signals (it warns). A hook's stop (`run.stop`) is final: fit called again
-    returns the first call's state, unless `num_epochs` or `max_steps` grew. A run killed outright
+    row and an eval there; resumed, the epoch's row at its end holds the whole epoch's means. A
+    hook's stop (`run.stop`) is final: fit called again returns the first call's state, unless
+    `num_epochs` or `max_steps` grew; a signal's stop is not (`_Signals`). A run killed outright
     resumes from its last checkpoint; `_Checkpoints` says when they are written."""
     # 1. Check everything that can be checked before touching the disk or compiling.
     opts = Options.of(options)
@@ -275,9 +282,7 @@ def fit(state, train_ds, test_ds=None, **options):
 
     # 4. Open the run: claim it, restore its checkpoint if it goes on, set up the hooks.
     batching = (train.batch_size * jax.process_count(), plan.steps_per_epoch)
-    hparams = opts.hparams_used({"batch_size": batching[0], "devices": mesh.size,
-                                 "steps_per_epoch": plan.steps_per_epoch,
-                                 "monitor": plan.monitor, "mode": plan.mode})
+    hparams = opts.hparams_used(plan, batching[0], mesh.size)
     builtin = ([ProgressBar(verbose)] if verbose else []) + (
         [TensorBoard(hparams)] if opts.tensorboard and jax.process_index() == 0 else [])
     base = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, batching=batching)
@@ -292,8 +297,7 @@ def fit(state, train_ds, test_ds=None, **options):
         ckpts.close()
         return finish(run.end(state, step, epoch)), run.history
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
-                  f"{step} on {mesh.size} device(s); tensorboard --logdir "
-                  f"{os.path.dirname(ckpts.log_dir)}")
+                  f"{step} on {mesh.size} device(s); tensorboard --logdir {ckpts.logs}")
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one step late, when the device has finished them.
@@ -359,8 +363,7 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
         adapted, _, _, finish = _nnx_adapter(state, optimizer, who=who)
         return finish(load_ckpt(adapted, ckpt_dir, step, weights_only=weights_only))
     if optimizer is not None:
-        raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its own "
-                         "(tx).")
+        raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its tx.")
     if not isinstance(weights_only, bool):
         raise TypeError(f"load_ckpt: weights_only must be True or False, got {weights_only!r}.")
     ckpt_dir = os.path.abspath(os.path.expanduser(ckpt_dir))
@@ -599,17 +602,14 @@ class _Run:
         self.total_steps, self.num_epochs = plan.total, plan.num_epochs
         self.monitor, self.mode = best.monitor, best.mode
         self.log_dir, self.ckpt_dir, self.writer = ckpts.log_dir, ckpts.ckpt_dir, None
-        self.history = History(progress.history)
-        self.history.run, self.history.log_dir, self.history.ckpt_dir = (
-            ckpts.run, ckpts.log_dir, ckpts.ckpt_dir)
+        history = self.history = History(progress.history)
+        history.run, history.log_dir, history.ckpt_dir = ckpts.run, ckpts.log_dir, ckpts.ckpt_dir
         self.stopping = progress.stop if progress.final(plan.num_epochs, plan.max_steps) else None
         self.stopped_early = self.interrupted = self.stop = self.save = False
         self.event = self.step = self.epoch = self.state = None
         self.metrics, self.last_eval = {}, None
 
-    @property
-    def best(self):
-        return self.best_of.value
+    best = property(lambda self: self.best_of.value)  # (the best monitored value so far)
 
     def call(self, event, state, step, epoch, *, metrics=None, save=False, stop=None):
         """Calls every hook with (event, run), then takes what they asked for. A stop or save that
@@ -745,8 +745,7 @@ class _Progress:
         if self.seed is not None and self.seed != seed:
             raise ValueError(f"fit: run {run} was trained with seed={self.seed}; resume it with "
                              f"that seed, or start a fresh run.")
-        if any(a is not None and b is not None and a != b for a, b in zip(self.batching,
-                                                                           batching)):
+        if any(a is not None and b is not None and a != b for a, b in zip(self.batching, batching)):
             raise ValueError(f"fit: run {run} was trained with a global batch size of "
                              f"{self.batching[0]} and {self.batching[1]} batches per epoch; this "
                              f"call feeds {batching[0]} and {batching[1]}, so it would not go on "
@@ -1272,8 +1271,7 @@ def _default_train_step(config):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
 
         def loss_of(params):
-            out, batch_stats = config.forward(config.loss_fn, state, params, batch, rng,
-                                              train=True)
+            out, batch_stats = config.forward(config.loss_fn, state, params, batch, rng, train=True)
             loss, metrics = _split_loss(out, config.loss_name)
             return loss, (metrics, batch_stats)
 
@@ -1360,10 +1358,8 @@ def _train_and_accumulate(train, state, acc, batch):
     metrics = _as_dict(metrics, "loss")
     skip = config.skip
     # "skip" checks the parameters' norm every step, to drop an update that makes them non-finite.
-    norm = optax.tree.norm(new_state.params) if skip else _log_norm(state, config,
-                                                                     new_state.params)
-    norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)],
-                      jnp.float32)
+    norm = optax.tree.norm(new_state.params) if skip else _log_norm(state, config, new_state.params)
+    norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)], jnp.float32)
     values = _totals_and_weights([metrics[k] for k in names], 1)
     finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
     if skip:  # keep the old state on device, no host round trip; the step counts on
@@ -1451,11 +1447,11 @@ def _trace(fn, state, spec, config, fix=None):
 
 # -- nnx models, trained as a TrainState of their variables ------------------------------------
 
+# An nnx model and its optimizer as a TrainState of plain dicts (what hooks see): `params` is what
+# the optimizer trains (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the
+# Rngs' state, so dropout resumes exactly). Each step merges them in plain `jax.jit` (nnx.jit
+# costs ~0.3 ms more a call); `finish(state)` writes the user's model and optimizer, in place.
 def _nnx_adapter(model, optimizer, who="fit", *, nnx_loss_fn=None, eval_step=None):
-    """An nnx model and its optimizer as a TrainState of plain dicts (what hooks see): `params` is
-    what the optimizer trains (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the
-    Rngs' state, so dropout resumes exactly). Each step merges them in plain `jax.jit` (nnx.jit
-    costs ~0.3 ms more a call); `finish(state)` writes the user's model and optimizer, in place."""
     from flax import nnx
     if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only): no optimizer
         optimizer = types.SimpleNamespace(tx=None, opt_state=None, step=np.int32(0), wrt=nnx.Param)
@@ -1697,9 +1693,9 @@ class _Checkpoints:
             why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
             raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; "
                                   f"pass workdir= a directory you can write to.")
-        self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume,
-                                                       claim)
-        self.log_dir = os.path.join(workdir, "logs", self.run)
+        self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume, claim)
+        self.logs = os.path.join(workdir, "logs")  # (tensorboard --logdir)
+        self.log_dir = os.path.join(self.logs, self.run)
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
         self.monitor, self.best, self.base = best.monitor, best, base
         self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
@@ -2000,9 +1996,13 @@ def _lock(run_dir):
 # -- Signals: SIGINT, SIGTERM and preemption notices -------------------------------------------
 
 class _Signals:
-    """Why the run must stop (see fit). No handler off the main thread, nor for SIGTERM with several
-    processes: JAX's preemption notifier owns it, orbax's `reached_preemption` stops all at one
-    step, and Ctrl-C goes to it; without the notifier, Ctrl-C on one stops all at the next log."""
+    """Why the run must stop. Ctrl-C or SIGTERM stops after the step with a checkpoint, resumably
+    (the history's `stopped`); SIGTERM then exits 143, a second Ctrl-C aborts at once. After the
+    last step, SIGTERM still exits 143 and Ctrl-C raises `KeyboardInterrupt`, once the final
+    checkpoint is committed. Off the main thread fit cannot catch signals (it warns). No handler
+    for SIGTERM with several processes: JAX's preemption notifier owns it, orbax's
+    `reached_preemption` stops all at one step, and Ctrl-C goes to it; without the notifier,
+    Ctrl-C on one process stops all at the next log point."""
 
     def __init__(self):
         self.reason, self.asked, self.previous, self.forwarded = None, None, {}, False
