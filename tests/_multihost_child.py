@@ -23,6 +23,8 @@ one `jax.distributed.initialize` for all of them), each with its own workdir `WO
 - `preempt`: a long run (500 epochs, steps_per_jit=2), to be stopped by a signal the parent
              sends; `preempt_local` the same, with JAX's preemption service off (for the group).
 - `hookstop`: a long run that a hook on process 1 alone stops, at its log point of step 4.
+- `locked`:  a resume of run `mh_1`, whose lock another writer holds (process 0 takes it first,
+             as "host test, pid 4242"): every process must raise the refusal process 0 got.
 
 Per scenario the child writes `OUTDIR/<name>_<pid>.json` (run names and dirs, this process's
 pid, how many SummaryWriters it opened, the final step, the history, or the exception's type
@@ -31,6 +33,7 @@ vector). On stdout it prints `LOG <step>` at each log point, `END <step>` at tra
 `DONE <name>` after each scenario. After an exception it stops: the processes may no longer
 agree on what comes next.
 """
+import fcntl
 import json
 import os
 import sys
@@ -141,6 +144,15 @@ def run_scenario(scenario, pid, nproc, workdir, outdir, writers):
             kw.update(num_epochs=500, log_every=2, steps_per_jit=2)  # (step jumps by 2)
         if scenario == "hookstop":
             kw.update(num_epochs=500, log_every=1, hooks=[progress, stop_on_process_1])
+        if scenario == "locked" and pid == 0:  # (held until this process exits)
+            run_dir = os.path.join(workdir, scenario, "checkpoints", "mh_1")
+            os.makedirs(run_dir, exist_ok=True)
+            result["holder"] = open(os.path.join(run_dir, "fit.lock"), "a+")
+            fcntl.flock(result["holder"], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            result["holder"].write("host test, pid 4242")
+            result["holder"].flush()
+        if scenario == "locked":
+            kw["resume"] = "mh_1"
         if scenario == "resume":
             kw.update(steps_per_jit=2)
             _, first = fit(make_state(), train, test, max_steps=5, **kw)
@@ -157,6 +169,7 @@ def run_scenario(scenario, pid, nproc, workdir, outdir, writers):
         raise
     finally:
         result["writers_opened"] = len(writers) - opened
+        result.pop("holder", None)
         with open(os.path.join(outdir, f"{scenario}_{pid}.json"), "w") as f:
             json.dump(result, f)
         print("DONE", scenario, flush=True)

@@ -48,6 +48,7 @@ GROUPS = {
     "sigint": (["preempt"], 2, 120),
     "local": (["preempt_local"], 2, 120),  # JAX's preemption service off
     "hookstop": (["hookstop"], 2, 120),
+    "locked": (["locked"], 2, 120),
 }
 TRIGGERS = {  # group: (process, step, signal): sent once that process logs that step
     "preempt": (1, 3, signal.SIGTERM),  # a scheduler preempts one host
@@ -68,6 +69,7 @@ NEEDS = {  # test -> the groups it reads, so a -k selection starts only those
     "test_fewer_batches_on_one_process_fails_clearly": ["fewer"],
     "test_different_batch_shapes_fail_clearly": ["shape"],
     "test_hparams_log_the_global_batch_size": ["pair"],
+    "test_a_refused_resume_is_the_same_error_on_every_process": ["locked"],
 }
 ATOL = RTOL = 1e-5  # sgd; measured max |diff| 2 processes vs 1: 5e-7 on params of size ~5
 
@@ -353,6 +355,23 @@ def test_fewer_batches_on_one_process_fails_clearly(groups):
 
 def test_different_batch_shapes_fail_clearly(groups):
     _assert_clear_error(groups["shape"], "shape", [8, 4])
+
+
+def test_a_refused_resume_is_the_same_error_on_every_process(groups):
+    # #24: process 0 claims the run for the job and finds its lock held; the refusal reaches
+    # process 1 too (a broadcast), so both raise it instead of one training alone into a hang.
+    group = groups["locked"]
+    codes = group.finish()
+    errors = []
+    for i, code in enumerate(codes):
+        assert code == 1, f"locked: process {i} exit status {code}:\n{group.stderr(i, 3000)}"
+        with open(os.path.join(group.out, f"locked_{i}.json")) as f:
+            errors.append(json.load(f).get("error"))
+    assert errors[0] and errors[1], errors
+    assert [e["type"] for e in errors] == ["RuntimeError"] * 2, errors
+    assert errors[0]["message"] == errors[1]["message"], errors
+    assert "run mh_1 is being written by host test, pid 4242" in errors[1]["message"]
+    assert not any(line.startswith("LOG") for line in group.lines[1]), group.lines[1]
 
 
 def test_sigint_to_process_0_stops_all_at_one_step(groups):
