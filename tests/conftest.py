@@ -1,8 +1,10 @@
 """Shared test fixtures. Every test process sees 8 simulated CPU devices (set before jax is
 imported); tests that need one device pass `mesh=one_device_mesh`."""
+import importlib.util
 import logging
 import os
 import re
+import subprocess
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -134,3 +136,21 @@ def assert_bitwise(a, b):
     for k in a:
         assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), (
             k, np.max(np.abs(a[k] - b[k])))
+
+
+def fit_at(commit, tmp_path, monkeypatch):
+    """fit.py as of `commit` (from this checkout's git history), imported as `fit_<commit>`: to
+    write checkpoints with an older file and resume them with this one. Skips without history."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        source = subprocess.run(["git", "-C", root, "show", f"{commit}:fit.py"], check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip(f"fit.py at {commit} is not in this checkout's git history")
+    path = tmp_path / f"fit_{commit}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"fit_{commit}", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look it up)
+    spec.loader.exec_module(module)
+    return module

@@ -14,7 +14,6 @@ E. A jitted step's errors print neither fit's options nor the user's optimizer: 
    jitted function (a partial over the options) in its "incompatible devices" error.
 
 Every fit call writes under tmp_path. The subprocess runs on one CPU device (`XLA_FLAGS=`)."""
-import importlib.util
 import os
 import signal
 import subprocess
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import nnx_arrays
+from conftest import fit_at, nnx_arrays
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
@@ -179,28 +178,12 @@ def test_resuming_with_another_batch_size_is_refused_before_training(tmp_path, o
     assert committed_steps(ckpt_dir) == [2] and tmp_dirs(ckpt_dir) == []  # nothing trained
 
 
-def old_fit(tmp_path, monkeypatch):
-    """fit.py at OLD (from git), imported as a module of another name."""
-    try:
-        source = subprocess.run(["git", "-C", ROOT, "show", f"{OLD}:fit.py"], check=True,
-                                capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip(f"fit.py at {OLD} is not in this checkout's git history")
-    path = tmp_path / f"fit_{OLD}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"fit_{OLD}", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look it up)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_checkpoint_of_the_older_fit_resumes_and_then_records_its_batching(
         tmp_path, one_device_mesh, monkeypatch):
     """A checkpoint written by fit.py at 3afe40f holds no batching record: it must resume (not
     a KeyError), and the checkpoints of the resumed run record it, so a later resume with
     another batch size is refused."""
-    old = old_fit(tmp_path, monkeypatch)
+    old = fit_at(OLD, tmp_path, monkeypatch)
     workdir = str(tmp_path / "run")
     kwargs = dict(loss_fn=tiny_loss, mesh=one_device_mesh, workdir=workdir, **QUIET)
     old.fit(tiny_state(old.TrainState), arrays(128), batch_size=32, num_epochs=1, **kwargs)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import MLP, loss_fn, eval_step
+from conftest import MLP, eval_step, fit_at, loss_fn
 
 import fit as fit_module
 from fit import TrainState, evaluate, fit
@@ -145,28 +145,11 @@ def test_evaluate_reuses_its_compiled_step_and_leaves_the_optimizer_state(digits
 BEFORE = "a9e2f28"
 
 
-def _fit_at(commit, tmp_path, monkeypatch):
-    import importlib.util
-    root = os.path.dirname(HERE)
-    try:
-        source = subprocess.run(["git", "-C", root, "show", f"{commit}:fit.py"], check=True,
-                                capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip(f"fit.py at {commit} is not in this checkout's git history")
-    path = tmp_path / f"fit_{commit}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"fit_{commit}", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look it up)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_checkpoint_of_the_fit_before_the_redesign_resumes_exactly(digits, tmp_path,
                                                                      one_device_mesh,
                                                                      monkeypatch):
     from conftest import CNN, make_state
-    old = _fit_at(BEFORE, tmp_path, monkeypatch)
+    old = fit_at(BEFORE, tmp_path, monkeypatch)
     x, y, xt, yt = digits
     data, test = (x[:256], y[:256]), (xt[:64], yt[:64])
     kwargs = dict(loss_fn=loss_fn, eval_step=eval_step, batch_size=32, num_epochs=2,
