@@ -319,7 +319,7 @@ def fit(state, train_ds, test_ds=None, **options):
                     state = meter.train(steps, state, batch, k)  # dispatch step n ...
                     step += k
                     logged = meter.read(step, plan.due("log", step, k))  # ... read step n-1
-                    run.log(state, epoch, logged, save=ckpts.overdue(), stop=signals.asked)
+                    run.log(state, epoch, logged, save=ckpts.overdue, stop=signals.asked)
                     if plan.due("eval", step, k):
                         run.evaluate(state, step, epoch, evaluate(state))
                     run.stopping = run.stopping or signals.reason or ckpts.preempted()
@@ -634,11 +634,12 @@ class _Run:
                 self.stopping = "SIGINT" if most == 1 else "a hook on another process"
         return self.state
 
-    def log(self, state, epoch, logged, *, save=False, stop=None):
-        """The log events of the intervals `_Meter.read` returned; the wall-time schedule (`save`)
-        and a signal to one of several processes (`stop`) are decided at log points only."""
+    def log(self, state, epoch, logged, *, save=lambda: False, stop=None):
+        """The log events of the intervals `_Meter.read` returned; the wall-time schedule (`save()`,
+        asked here only: its orbax calls cost host time that a tiny model's steps feel) and a
+        signal to one of several processes (`stop`) are decided at log points only."""
         for at, metrics in logged:
-            self.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
+            self.call("log", state, at, epoch, metrics=metrics, save=save(), stop=stop)
 
     def record(self, row, *items):
         for name, value in [*items, *row.items()]:
