@@ -59,6 +59,12 @@ def _fresh(log_every, workdir):
     return json.loads(line[4:])
 
 
+def _mlp_state(x):
+    model = MLP()
+    var = model.init(jax.random.key(0), x[:1], train=False)
+    return TrainState.create(apply_fn=model.apply, params=var["params"], tx=optax.adam(1e-3))
+
+
 def test_a_second_call_that_changes_what_traced_code_reads_ends_as_a_fresh_process(tmp_path):
     # log_every is read inside the compiled step (the norms are computed at log steps only). The
     # same functions and optimizer object twice, the second with another log_every: had the cache
@@ -101,9 +107,7 @@ def test_no_options_reach_jitted_code(digits, tmp_path, one_device_mesh):
     # The partial that jax.jit gets holds the step's parts and its config, not Options: its
     # repr (which JAX prints with some errors) names neither Options nor the optimizer.
     x, y, _, _ = digits
-    model = MLP()
-    var = model.init(jax.random.key(0), x[:1], train=False)
-    state = TrainState.create(apply_fn=model.apply, params=var["params"], tx=optax.adam(1e-3))
+    state = _mlp_state(x)
     seen = []
     real_jit = jax.jit
 
@@ -180,9 +184,7 @@ def test_the_wall_time_schedule_saves_at_log_points_only(digits, tmp_path, one_d
     # interval that is always over saves right after each log point (read one step late) and at
     # the end, never between.
     x, y, _, _ = digits
-    model = MLP()
-    var = model.init(jax.random.key(0), x[:1], train=False)
-    state = TrainState.create(apply_fn=model.apply, params=var["params"], tx=optax.adam(1e-3))
+    state = _mlp_state(x)
     saved = []
     fit(state, (x[:320], y[:320]), loss_fn=loss_fn, batch_size=32, log_every=3,
         ckpt_interval=1e-9, mesh=one_device_mesh, workdir=str(tmp_path), verbose=0,
