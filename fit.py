@@ -39,7 +39,7 @@ that order, each opened by a banner comment. The map:
     EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
     _Run, _Best, _Progress             what hooks see; the best checkpoint; what a checkpoint holds
     _end_epoch, _save, _evaluate       an epoch's end, a save, an eval
-    _Data, _grouped, _prefetch, _put   batches and their positions; steps_per_jit; placement
+    _Data, _grouped, _prefetch, _putter  batches and their positions; steps_per_jit; placement
     _Plan                              every period in steps; the monitor
     _StepConfig, _build_steps          every jax.jit, built from what traced code reads, cached
     _nnx_adapter                       nnx models as a TrainState
@@ -275,7 +275,7 @@ def fit(state, train_ds, test_ds=None, **options):
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
-    steps = _build_steps(state, train, test, _StepConfig.of(opts, forward, eval_step), mesh)
+    steps = _build_steps(state, train, test, _StepConfig.of(opts, forward, eval_step, mesh), mesh)
     plan = _Plan(opts, train, test, steps.train_names, steps.eval_names)
     verbose = _verbosity(opts.verbose)
     _check_schedule(state, opts, plan.total)
@@ -301,7 +301,7 @@ def fit(state, train_ds, test_ds=None, **options):
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one step late, when the device has finished them.
-    put = functools.partial(_put, mesh, opts.axis_name or "data")
+    put = _putter(mesh, opts.axis_name or "data")
     try:
         with _Signals() as signals:
             ckpts.open()
@@ -312,17 +312,21 @@ def fit(state, train_ds, test_ds=None, **options):
                                           evaluate=evaluate)
             save = functools.partial(_save, base=base, run=run, meter=meter, ckpts=ckpts,
                                      verbose=verbose)
+            due = plan.next_due(step)  # the next step at which anything but a step is due
             while not (run.stopping or plan.done(epoch, step)):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
                                    opts.max_steps, meter.said)
                 for batch, position, k, last in _prefetch(batches, put):
                     state = meter.train(steps, state, batch, k)  # dispatch step n ...
                     step += k
+                    stop = signals.reason or ckpts.preempted()  # (several processes: each call)
+                    if step < due and not (last or stop):
+                        continue  # nothing else to do: the host stays ahead of the device
                     logged = meter.read(step, plan.due("log", step, k))  # ... read step n-1
                     run.log(state, epoch, logged, save=ckpts.overdue, stop=signals.asked)
                     if plan.due("eval", step, k):
                         run.evaluate(state, step, epoch, evaluate(state))
-                    run.stopping = run.stopping or signals.reason or ckpts.preempted()
+                    run.stopping = run.stopping or stop
                     cut = plan.done(epoch, step) and not (last or run.stopping)  # by max_steps
                     if last or cut:  # the epoch's end comes before the save of its last step
                         end_epoch(state, step, epoch, complete=last)
@@ -332,6 +336,7 @@ def fit(state, train_ds, test_ds=None, **options):
                         break
                     if run.save or plan.due("ckpt", step, k):
                         save(state, step, epoch, position)
+                    due = step + 1 if meter.pending else plan.next_due(step)  # (read it next)
             save(state, step, epoch, position)  # always: at the end and on every stop
             with meter.timed("finish"):  # the last save's commit: once a run, not steady work
                 ckpts.wait()
@@ -414,15 +419,14 @@ def evaluate(state, ds, eval_step=None, **options):
     mesh, state = _mesh(opts, state), lean(state)
     test = _Data(ds, "ds", opts, train=False)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
-    config = _StepConfig.of(opts, forward, eval_step)
+    config = _StepConfig.of(opts, forward, eval_step, mesh)
     key = ("eval", config, mesh, _kinds(test.spec), jax.tree.structure(state),
            tuple(x.sharding for x in jax.tree.leaves(state)))
     eval_fn, names = _cached(key, forward is _linen_forward,
                              lambda: _eval_step(state, test, config, mesh))
     eval0 = jax.device_put(np.zeros(2 * len(names) + 1, np.float32), NamedSharding(mesh, P()))
-    steps = _Steps(None, eval_fn, None, None, eval0, [], [], names, False)
-    put = functools.partial(_put, mesh, opts.axis_name or "data")
-    return _evaluate(steps, test, put, None, state)
+    steps = _Steps(None, None, eval_fn, None, None, eval0, [], [], names, False)
+    return _evaluate(steps, test, _putter(mesh, opts.axis_name or "data"), None, state)
 
 
 class History(dict):
@@ -832,9 +836,10 @@ class _Data:
         # (x, y): two arrays, or anything np.asarray takes that has a shape (torch, tf tensors)
         self.arrays = isinstance(ds, (tuple, list)) and len(ds) == 2 and all(
             hasattr(a, "__array__") and len(getattr(a, "shape", ())) > 0 for a in ds)
-        self.stream, self.sizes, self.spec = False, None, None
+        self.stream, self.sizes, self.spec, self.kinds = False, None, None, None
         first = self._arrays(ds, opts.batch_size) if self.arrays else self._iterable(ds)
         self.spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), first)
+        self.kinds = _kinds(first)  # what every later batch is compared with (_convert)
         self.batch_size = jax.tree.leaves(first)[0].shape[0]
         if self.sizes is None and isinstance(ds, (list, tuple)):  # in memory: check every batch
             self.sizes = [len(jax.tree.leaves(self._convert(raw, i))[0])
@@ -844,13 +849,18 @@ class _Data:
         if batch_size is None:
             raise ValueError(f"fit: {self.name} is a pair of arrays (x, y); pass batch_size= so "
                              f"fit can batch them.")
-        self.x, self.y = (np.asarray(a) for a in ds)
+        # jax.Arrays stay on their devices, and their batches are gathered there: a step never
+        # waits for device data to go to the host and back.
+        self.x, self.y = (a if isinstance(a, jax.Array) else np.asarray(a) for a in ds)
         n = len(self.x)
         if n != len(self.y) or n == 0:
             raise ValueError(f"fit: {self.name} must be two non-empty arrays with the same "
                              f"number of examples, got {n} inputs and {len(self.y)} targets.")
         self.length = min(math.ceil(n / batch_size), self.steps_per_epoch or math.inf)
         self.sizes = [min(batch_size, n - i * batch_size) for i in range(self.length)]
+        take = jax.jit(lambda a, idx: a[idx])  # (jnp's own indexing costs ~30 us more a call)
+        self.take = [take if isinstance(a, jax.Array) else np.ndarray.__getitem__
+                     for a in (self.x, self.y)]
         return self._convert((self.x[:batch_size], self.y[:batch_size]), 0)
 
     def _iterable(self, ds):
@@ -880,7 +890,10 @@ class _Data:
                 f"{f' ({sizes} rows)' if sizes else ''} shaped {shapes}")
 
     def _convert(self, batch, index):
-        """A host batch as numpy arrays, with a clear error for anything else."""
+        """A batch as arrays, checked: numpy arrays and jax.Arrays pass as they are (a jax.Array
+        stays on its device), anything else that np.asarray takes (a list, a torch tensor) becomes
+        numpy. It runs for every batch, so a batch like the first costs a flatten and a comparison
+        of dtype objects and ranks (`str(dtype)` costs ~7 us a leaf: numpy 2's is Python code)."""
         if isinstance(batch, dict) and (self.keys or not self.custom):
             if not self.keys or not set(self.keys) <= set(batch):
                 raise TypeError(f"fit: {self.name} yields dicts with keys {sorted(batch)}; name "
@@ -892,20 +905,28 @@ class _Data:
             length = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
             raise TypeError(f"fit: {self.name} must yield (inputs, targets) pairs, but batch "
                             f"{index} is a {type(batch).__name__}{length}.")
-        batch = jax.tree.map(np.asarray, tuple(batch) if isinstance(batch, list) else batch)
-        leaves = jax.tree.leaves(batch)
+        leaves, treedef = jax.tree.flatten(tuple(batch) if isinstance(batch, list) else batch)
+        if not all(isinstance(a, (np.ndarray, jax.Array)) for a in leaves):
+            leaves = [a if isinstance(a, (np.ndarray, jax.Array)) else np.asarray(a)
+                      for a in leaves]
+        kinds = (treedef, tuple((a.dtype, a.ndim) for a in leaves))  # (as _kinds, inline)
+        if kinds != self.kinds or len({a.shape[0] if a.ndim else None for a in leaves}) != 1:
+            self._refuse(leaves, index)
+        return jax.tree.unflatten(treedef, leaves)
+
+    def _refuse(self, leaves, index):
+        """The error for a batch unlike the first (a first batch passes if it can be one)."""
         if not leaves or any(a.ndim == 0 for a in leaves) or len({len(a) for a in leaves}) != 1:
             raise ValueError(f"fit: every array in a batch of {self.name} needs the same "
                              f"leading (batch) dimension; batch {index} has shapes "
                              f"{[a.shape for a in leaves]}.")
-        if self.spec is not None and _kinds(batch) != _kinds(self.spec):
+        if self.kinds is not None:
             given = [(a.shape, str(a.dtype)) for a in leaves]
             first = [(s.shape, str(s.dtype)) for s in jax.tree.leaves(self.spec)]
             raise ValueError(f"fit: batch {index} of {self.name} has shapes/dtypes {given}, "
                              f"unlike the first batch's {first}; batches may differ in their "
                              f"sizes and lengths (each new shape compiles once), not in their "
                              f"structure, dtypes or number of dimensions.")
-        return batch
 
     def epoch(self, epoch, skip=0, data_state=None):
         """One epoch's `(batch, position)`, skipping `skip` batches (trained before a resume)."""
@@ -913,10 +934,11 @@ class _Data:
             order = np.arange(len(self.x))
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(order)
+            (x, take_x), (y, take_y) = zip((self.x, self.y), self.take)
             for i in range(skip, self.length):
                 # (sorted: the rows of a memory-mapped file are read in order)
                 idx = np.sort(order[i * self.batch_size:(i + 1) * self.batch_size])
-                yield (self.x[idx], self.y[idx]), (i + 1, None)
+                yield (take_x(x, idx), take_y(y, idx)), (i + 1, None)
             return
         if self.stream:
             # A resumed stream restarts: drop what was consumed (exact if it is deterministic).
@@ -982,9 +1004,13 @@ def _grouped(batches, k, step, max_steps=None, said=None):
             continue
         group.append((batch, position))
         if len(group) == k:
-            yield jax.tree.map(lambda *xs: np.stack(xs), *[b for b, _ in group]), position, k
+            yield jax.tree.map(_stack, *[b for b, _ in group]), position, k
             step, group = step + k, []
     yield from ((b, p, 1) for b, p in group)
+
+
+def _stack(*arrays):
+    return (jnp.stack if isinstance(arrays[0], jax.Array) else np.stack)(arrays)
 
 
 def _same_shapes(a, b):
@@ -996,8 +1022,8 @@ def _same_shapes(a, b):
 
 def _kinds(batch):
     """What all batches of a data set share: structure, dtypes, ranks (a key of the step cache)."""
-    return jax.tree.structure(batch), tuple((str(a.dtype), len(a.shape))
-                                            for a in jax.tree.leaves(batch))
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, tuple((np.dtype(a.dtype), len(a.shape)) for a in leaves)
 
 
 def _prefetch(batches, put, size=2):
@@ -1012,22 +1038,28 @@ def _prefetch(batches, put, size=2):
         yield *queue.popleft(), not queue
 
 
-def _put(mesh, data_axis, batch, stacked=False):
-    """Shards a host batch (this process's rows) along its leading axis over the mesh. A batch that
-    does not split evenly (a small last batch) goes whole to every device: exact, if redundant."""
-    if mesh.size == 1 and jax.process_count() == 1 and mesh.devices.flat[0].platform == "cpu":
-        return batch  # one CPU device: jit's own C++ path takes numpy faster than device_put
-    n = jax.tree.leaves(batch)[0].shape[int(stacked)]
-    spec = P(None, data_axis) if stacked else P(data_axis)  # a stack of k: shard each batch
-    splits = n % _local_shards(mesh, data_axis) == 0
-    sharding = NamedSharding(mesh, spec if splits else P())
-    if jax.process_count() > 1:
-        if not splits:  # every device needs the whole global batch: gather all processes'
-            batch = jax.tree.map(  # rows (a host round trip, for one batch an epoch)
-                lambda a: np.concatenate(a, axis=int(stacked)),
-                multihost_utils.process_allgather(batch))
+def _putter(mesh, data_axis):
+    """`put(batch, stacked=False)`, which shards a batch (this process's rows) along its leading
+    axis over the mesh (`stacked`: each of k batches). A batch that does not split evenly (a small
+    last batch) goes whole to every device: exact, if redundant. Its shardings and the process
+    count are made here, once: per batch they cost ~1-5 us. A jax.Array moves device to device."""
+    if mesh.size == 1 and jax.process_count() == 1 and _platform(mesh) == "cpu":
+        return lambda batch, stacked=False: batch  # jit's C++ path takes numpy faster
+    shards, processes = _local_shards(mesh, data_axis), jax.process_count()
+    shardings = {(True, True): NamedSharding(mesh, P(None, data_axis)), (False, True):
+                 NamedSharding(mesh, P(data_axis)), (True, False): NamedSharding(mesh, P()),
+                 (False, False): NamedSharding(mesh, P())}
+
+    def put(batch, stacked=False):
+        splits = jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
+        sharding = shardings[stacked, splits]
+        if processes == 1:
+            return jax.device_put(batch, sharding)
+        if not splits:  # every device needs the whole global batch: gather all processes' rows
+            batch = jax.tree.map(lambda a: np.concatenate(a, axis=int(stacked)),  # (a host round
+                                 multihost_utils.process_allgather(batch))  # trip, once an epoch)
         return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), batch)
-    return jax.device_put(batch, sharding)
+    return put
 
 
 # -- The plan: every period converted to steps once; the monitor and its mode ------------------
@@ -1050,6 +1082,12 @@ class _Plan:
         """Whether the steps (step - k, step] include a multiple of that period."""
         every = self.every[name]
         return bool(every) and step // every > (step - k) // every
+
+    def next_due(self, step):
+        """The first step after `step` at which a log, an eval or a save falls due, or max_steps
+        ends the run (an epoch's end the loop knows): no step before it needs more than its call."""
+        return min([(step // every + 1) * every for every in self.every.values() if every]
+                   + [self.max_steps or math.inf])
 
     def eval_at_epoch_end(self, epochs_done, last):
         epoch_due = not self.every["eval"] and epochs_done % self.eval_freq == 0
@@ -1112,15 +1150,16 @@ class _StepConfig:
     log_every: int
     axis_name: str | None
     skip: bool            # on_nonfinite="skip"
+    norms_every_step: bool  # the log steps' norms computed at every step, without a lax.cond
 
     @classmethod
-    def of(cls, opts, forward, eval_step):
+    def of(cls, opts, forward, eval_step, mesh):
         return cls(forward, opts.loss_fn, _loss_name(opts), opts.train_step, eval_step,
                    opts.lr_fn, opts.seed, opts.log_every, opts.axis_name,
-                   opts.on_nonfinite == "skip")
+                   opts.on_nonfinite == "skip", _platform(mesh) in _NO_COND)
 
 
-_Steps = collections.namedtuple("_Steps", "train eval param_norm acc0 eval0 acc_names "
+_Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 acc_names "
                                           "train_names eval_names lr_known")  # (_build_steps)
 
 
@@ -1198,10 +1237,9 @@ def _new_steps(state, train, test, config, mesh):
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
     eval_fn, eval_names = _eval_step(state, test, config, mesh)
-    run_train = lambda state, acc, batch, k: (train_1 if k == 1 else train_k)(state, acc, batch)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
-    return _Steps(run_train, eval_fn, param_norm, None, None, names, names + norms, eval_names,
-                  lr_of is not None)
+    return _Steps(train_1, train_k, eval_fn, param_norm, None, None, names, names + norms,
+                  eval_names, lr_of is not None)
 
 
 def _eval_step(state, test, config, mesh):
@@ -1395,10 +1433,19 @@ def _param_norm(state):
     return optax.tree.norm(state.params)
 
 
+# Where the norms are computed at every step (the accumulator keeps a log step's), not under a
+# lax.cond: on a GPU a conditional copies its predicate to the host and blocks the host until the
+# device is done, so every step's dispatch would wait for the device. (TPUs branch on device.)
+_NO_COND = ("gpu",)
+
+
 def _log_norm(state, config, tree):
-    """The norm of `tree` at log steps, else 0: a pass over every parameter and gradient each
-    step cost a tiny MLP 3-10% of its speed, for values that only log points show."""
+    """The norm of `tree` at log steps, else 0 (any value at other steps, where the norms are
+    computed every step): a pass over every parameter and gradient each step cost a tiny MLP
+    3-10% of its speed on a CPU, for values that only log points show."""
     norm = lambda tree: jnp.asarray(optax.tree.norm(tree), jnp.float32)
+    if config.norms_every_step:
+        return norm(tree)
     return jax.lax.cond(_at_log(state, config), norm, lambda tree: jnp.float32(0), tree)
 
 
@@ -1545,11 +1592,12 @@ class _Meter:
             self.shape = shape
             self.changes.append((self.fed, shape))
         self.fed += k
+        train = steps.train if k == 1 else steps.train_k
         if shape in self.compiled:
-            state, self.acc = steps.train(state, self.acc, batch, k)
+            state, self.acc = train(state, self.acc, batch)
         else:  # one wait per new shape, so compile time is kept out of the rate
             with self.timed("compile", k):
-                state, self.acc = jax.block_until_ready(steps.train(state, self.acc, batch, k))
+                state, self.acc = jax.block_until_ready(train(state, self.acc, batch))
                 self.param_norm(state)  # (the check before saves compiles here, not at a save)
             self.compiled.add(shape)
             if len(self.compiled) == _MANY_SHAPES:
@@ -1701,6 +1749,7 @@ class _Checkpoints:
         self.monitor, self.best, self.base = best.monitor, best, base
         self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
         self.mgr, self.saved, self.good, self.calls = None, None, None, 0
+        self.processes = jax.process_count()
 
     def restore(self, state):
         """The latest checkpoint's state and `_Progress`, checked against this call; else fresh."""
@@ -1734,9 +1783,12 @@ class _Checkpoints:
 
     def preempted(self):
         """Whether JAX's preemption notifier picked this loop iteration for every process. It
-        counts calls, not steps: with steps_per_jit the step jumps over the one it picks."""
+        counts calls, not steps: with steps_per_jit the step jumps over the one it picks. Asked at
+        every call with several processes (it expects that); one process has no notifier."""
+        if self.processes == 1:
+            return None
         self.calls += 1
-        if jax.process_count() > 1 and self.mgr.reached_preemption(self.calls):
+        if self.mgr.reached_preemption(self.calls):
             return "preemption"
 
     def save(self, step, state, progress, value):
@@ -2082,6 +2134,11 @@ def _mesh(opts, state):
     # A model written for pmap calls lax.pmean(..., axis_name): the data axis takes that name.
     names = tuple(opts.axis_name if axis == "data" else axis for axis in mesh.axis_names)
     return Mesh(mesh.devices, names, axis_types=mesh.axis_types)
+
+
+def _platform(mesh):
+    """The platform of the mesh's devices: "cpu", "gpu" or "tpu"."""
+    return mesh.devices.flat[0].platform
 
 
 def _default_mesh():

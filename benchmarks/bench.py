@@ -6,7 +6,10 @@
     python benchmarks/bench.py --fit /tmp/other_fit.py   # measure another version of fit.py
 
 Every model trains on the same in-memory synthetic MNIST-shaped data (28x28x1 float32, 10
-classes, batch 128, made with numpy from a fixed seed) with optax.adam(1e-3), by:
+classes, batch 128, made with numpy from a fixed seed) with optax.adam(1e-3), given in two forms
+(`--data arrays,list`): arrays `(x, y)`, which fit batches itself and the hand loops gather the
+same way (a permutation per epoch from `(seed, epoch)`, `x[idx]` per step), and a list of numpy
+batches, fed as they are to both (the single-step pair only). The methods:
 
   hand        one `jax.jit` train step that donates the state, no logging, one
               `block_until_ready` at the end;
@@ -45,6 +48,12 @@ small test set every epoch (`--whole-test-size 0`: no test set): fit's whole cal
 defaults against a hand loop that does the same evals but writes no checkpoints. #14 and #16's
 tiny-MLP whole call is `--models mlp --whole-models mlp --whole-seconds 10 --whole-test-size 0`.
 Every ratio is the median of 5 (`--repeats`) within-pair ratios; the tables show their min-max.
+
+The ablation (`--ablation each`, or a comma list of ABLATIONS' names; `--ablation-models`,
+tiny MLP by default) pairs fit with fit minus one per-step part of its array path, its source
+rewritten (see ABLATIONS: the stubs were written against b603621's fit.py, and a stub whose text
+the measured fit.py lacks fails the run), alternating as above; it reports the speedup and the
+microseconds a step that each part costs.
 
 Writes benchmarks/results/latest.json and latest.md (quick.json and quick.md with --quick). The
 machine's load average is recorded at the start and end: on a shared machine the spread of the
@@ -86,7 +95,7 @@ PAIRS = (("hand", "fit"), ("hand_scan", "fit_scan"))
 
 # Targets: (what, threshold, direction). Ratios are fit / hand (steps/s, RSS, compile) and
 # hand wall / fit wall for the whole call, so ">=" targets are speeds and "<=" targets costs.
-STEADY_TARGET = {"cnn": 0.98, "cnn_bn_dropout": 0.98, "mlp": 0.95}
+STEADY_TARGET = {"cnn": 0.98, "cnn_bn_dropout": 0.98, "mlp": 0.97}  # #28: arrays and lists
 SCAN_TARGET = {"cnn": 0.97, "cnn_bn_dropout": 0.97}
 SCAN_VS_HAND_TARGET = {"cnn": 1.15}  # fit steps_per_jit=K / the hand single-step loop (#16)
 WHOLE_TARGET = {"cnn": 0.97, "mlp": 0.95}  # the tiny MLP's call is measured without a test set
@@ -96,6 +105,61 @@ SAVE_MS_TARGET = {"cnn": 50.0}
 RSS_TARGET = 1.1  # ... or the hand loop's + RSS_EXTRA_MB, whichever is more (#16 decision 4)
 RSS_EXTRA_MB = 60
 COMPILE_TARGET = 1.2
+
+
+# The ablation (#28): fit's per-step host and device parts on the array path, each stubbed in turn
+# by rewriting the measured fit.py's source (so a stub's text names exactly what it removes). Each
+# stub is a list of (text in fit.py, its replacement); a stub whose text the measured fit.py lacks
+# is reported as not applicable. The stubs were written against b603621's fit.py; a stubbed run
+# trains the bench's models correctly (no evals, no saves but the last, no steps_per_jit) but may
+# log wrong metrics.
+_LAYERS = """
+def _bench_flat(train, epoch, skip, put):  # one generator instead of epoch, _grouped, _prefetch
+    order = np.random.default_rng([train.seed, epoch]).permutation(len(train.x))
+    n = train.batch_size
+    for i in range(skip, train.length):
+        idx = np.sort(order[i * n:(i + 1) * n])
+        yield put((train.x[idx], train.y[idx])), (i + 1, None), 1, i == train.length - 1
+"""
+ABLATIONS = {
+    "sort": [("idx = np.sort(order[i * self.batch_size:(i + 1) * self.batch_size])",
+              "idx = order[i * self.batch_size:(i + 1) * self.batch_size]")],
+    "layers": [("for batch, position, k, last in _prefetch(batches, put):",
+                "for batch, position, k, last in _bench_flat(train, epoch, position[0], put):"),
+               ("\n\ndef _same_shapes(a, b):", _LAYERS + "\n\ndef _same_shapes(a, b):")],
+    "put": [('    if mesh.size == 1 and jax.process_count() == 1 and mesh.devices.flat[0].platform '
+             '== "cpu":', "    if True:")],
+    "shape_key": [("        shape = (k, *(a.shape for a in jax.tree.leaves(batch)))\n"
+                   "        if shape != self.shape:",
+                   "        shape = self.shape if self.compiled else (k, *(a.shape for a in "
+                   "jax.tree.leaves(batch)))\n        if shape != self.shape:"),
+                  ("        if shape in self.compiled:", "        if self.compiled:")],
+    "throttle": [('        self.inflight.append(self.acc["count"])\n'
+                  "        if len(self.inflight) > 2:", "        if False:")],
+    "clocks": [('        self.spent["data"][0] += time.perf_counter() - self.t_ready\n', ""),
+               ("        self.t_ready = time.perf_counter()\n        return state\n",
+                "        return state\n")],
+    "bookkeeping": [("                    step += k\n",
+                     "                    step += k\n                    if not (last or step % "
+                     "opts.log_every < k or meter.pending):\n                        continue\n")],
+    "accumulate": [("    new_state, metrics = train.step_fn(state, batch)\n",
+                    "    new_state, metrics = train.step_fn(state, batch)\n"
+                    "    return new_state, acc\n")],
+    "norms": [("    return jax.lax.cond(_at_log(state, config), norm, lambda tree: "
+               "jnp.float32(0), tree)", "    return jnp.float32(0)")],
+}
+# Every part but the throttle (which the first ablation found to make fit faster, not slower).
+ABLATIONS["all"] = [r for name in ABLATIONS if name != "throttle" for r in ABLATIONS[name]] + [
+    ("idx = np.sort(order[i * n:(i + 1) * n])", "idx = order[i * n:(i + 1) * n]")]
+
+
+def _ablated(source, parts):
+    """fit.py's source with the stubs of `parts` applied; raises if a stub's text is missing."""
+    for old, new in (r for part in parts for r in ABLATIONS[part]):
+        if source.count(old) != 1:
+            raise LookupError(f"ablation: the measured fit.py lacks {old.strip()[:60]!r}")
+        source = source.replace(old, new)
+    return source
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,9 +220,13 @@ def worker(spec):
     model = _models()[spec["model"]]
     spe, epochs, method = spec["steps_per_epoch"], spec["epochs"], spec["method"]
     x, y = _data(spe * BATCH, seed=0)
+    if spec.get("data") == "list":  # the same numpy batches, in the same order, every epoch
+        x = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]) for i in range(spe)]
+        y = None
     test = _data(spec["test_size"], seed=1) if spec["test_size"] else None
     # Jitted: one compile instead of one per op (eager init of the CNN took ~4 s here).
-    variables = jax.jit(model.init, static_argnames="train")(jax.random.key(0), x[:1], train=False)
+    x0 = x[0][0][:1] if y is None else x[:1]
+    variables = jax.jit(model.init, static_argnames="train")(jax.random.key(0), x0, train=False)
     params, batch_stats = variables["params"], variables.get("batch_stats", {})
     tx = optax.adam(1e-3)
     if method.startswith("fit"):
@@ -172,7 +240,15 @@ def worker(spec):
 
 def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
     import jax
-    sys.path.insert(0, spec["fit_dir"])  # the snapshot of fit.py taken when the benchmark began
+    fit_dir = spec["fit_dir"]  # the snapshot of fit.py taken when the benchmark began
+    if spec.get("ablate"):  # that fit.py with some per-step parts stubbed (ABLATIONS)
+        with open(os.path.join(fit_dir, "fit.py")) as f:
+            source = _ablated(f.read(), spec["ablate"])
+        fit_dir = os.path.join(spec["workdir"], "ablated")
+        os.makedirs(fit_dir)
+        with open(os.path.join(fit_dir, "fit.py"), "w") as f:
+            f.write(source)
+    sys.path.insert(0, fit_dir)
     from fit import TrainState, fit
 
     state = TrainState.create(apply_fn=model.apply, params=params, batch_stats=batch_stats, tx=tx)
@@ -180,17 +256,23 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
         import jax.numpy as jnp
         sys.modules["fit"]._log_norm = lambda state, opts, tree: jnp.float32(0)
     workdir = spec["workdir"]
+    marks = []  # (step, host thread CPU s, process CPU s) at each log point: the steady window
+
+    def mark(event, run):
+        if event == "log":
+            marks.append((run.step, time.thread_time(), time.process_time()))
     t0 = time.perf_counter()
-    state, history = fit(state, (x, y), test, loss_fn=_loss_fn,
+    state, history = fit(state, x if y is None else (x, y), test, loss_fn=_loss_fn,
                          eval_step=_eval_step if test else None, num_epochs=epochs,
-                         batch_size=BATCH, workdir=workdir, log_name="bench",
+                         batch_size=None if y is None else BATCH, workdir=workdir,
+                         log_name="bench", hooks=[mark],
                          steps_per_jit=spec["k"] if spec["method"] == "fit_scan" else 1)
     jax.block_until_ready(state)
     wall = time.perf_counter() - t0
     timing = dict(history.timing)
     saves = timing.get("save_count") or 0
     return {"steady_steps_per_s": timing["steady_steps_per_s"], "compile_s": timing["compile_s"],
-            "wall_s": wall, "steps": timing["steps"],
+            "wall_s": wall, "steps": timing["steps"], **_cpu_per_step(marks),
             "save_ms": 1000 * timing["save_s"] / saves if saves else None,
             "eval": history.get("eval/accuracy"), "timing": timing}
 
@@ -239,21 +321,28 @@ def _run_hand(spec, model, params, batch_stats, tx, x, y, test, epochs):
         return correct + _eval_step(state, batch) * batch[0].shape[0]
     eval_fn = jax.jit(eval_sum)
 
-    n, spe = len(x), len(x) // BATCH
-    accuracies, compile_s = [], None
-    t0 = time.perf_counter()
-    for epoch in range(epochs):
-        order = np.random.default_rng([0, epoch]).permutation(n)
-        for i in range(0, spe, k):
+    def batches(epoch):  # arrays: a permutation per epoch, gathered per step; a list as it is
+        if y is None:
+            yield from x
+            return
+        order = np.random.default_rng([0, epoch]).permutation(len(x))
+        for i in range(0, len(x) // BATCH, k):
             idx = order[i * BATCH:(i + k) * BATCH]
             batch = (x[idx], y[idx])
             if k > 1:
                 batch = (batch[0].reshape(k, BATCH, *x.shape[1:]), batch[1].reshape(k, BATCH))
+            yield batch
+
+    accuracies, compile_s, marks = [], None, []
+    t0 = time.perf_counter()
+    for epoch in range(epochs):
+        for batch in batches(epoch):
             state, loss = step(state, batch, rng)
             if compile_s is None:
                 jax.block_until_ready(state)
                 t1 = time.perf_counter()
                 compile_s = t1 - t0
+                marks.append((k, time.thread_time(), time.process_time()))
         if test is not None:  # the same evals as fit: the whole test set, read once per epoch
             correct = jnp.float32(0)
             for j in range(0, len(test[0]), BATCH):
@@ -261,10 +350,22 @@ def _run_hand(spec, model, params, batch_stats, tx, x, y, test, epochs):
             accuracies.append(float(correct) / len(test[0]))
     jax.block_until_ready(state)
     t2 = time.perf_counter()
-    steps = epochs * spe
+    steps = epochs * (len(x) if y is None else len(x) // BATCH)
+    marks.append((steps, time.thread_time(), time.process_time()))
     return {"steady_steps_per_s": (steps - k) / (t2 - t1) if steps > k else None,
             "compile_s": compile_s, "wall_s": t2 - t0, "steps": steps, "save_ms": None,
+            **_cpu_per_step(marks),
             "eval": accuracies or None}
+
+
+def _cpu_per_step(marks):
+    """CPU time a step between the first and the last mark: the host thread's (Python: what the
+    loop itself costs, unmoved by other machines' load) and the process's (XLA's threads too)."""
+    if len(marks) < 2 or marks[-1][0] == marks[0][0]:
+        return {"host_us_per_step": None, "cpu_us_per_step": None}
+    (s0, h0, p0), (s1, h1, p1) = marks[0], marks[-1]
+    return {"host_us_per_step": 1e6 * (h1 - h0) / (s1 - s0),
+            "cpu_us_per_step": 1e6 * (p1 - p0) / (s1 - s0)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,6 +379,7 @@ def run_one(spec, log_dir):
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                TF_CPP_MIN_LOG_LEVEL="2")
     log_path = os.path.join(log_dir, f"{spec['scenario']}-{spec['model']}-{spec['method']}-"
+                                     f"{'-'.join(spec.get('ablate') or [])}-{spec.get('data')}-"
                                      f"r{spec['repeat']}.log")
     t = time.perf_counter()
     try:
@@ -380,6 +482,15 @@ def main(argv=None):
                         help="models of the per-step (differential) scenario; '' skips it")
     parser.add_argument("--diff-epochs", default="1,5",
                         help="the short and the long call's epochs of the per-step scenario")
+    parser.add_argument("--data", default="arrays,list",
+                        help="data forms of the steady scenario: arrays (x, y) with batch_size=, "
+                             "gathered per step from a permutation per epoch, and/or a list of "
+                             "numpy batches fed as they are (default: both; the list form runs "
+                             "the single-step pair only)")
+    parser.add_argument("--ablation", default="",
+                        help="fit's per-step parts to stub in turn, each paired with fit itself "
+                             f"(from {','.join(ABLATIONS)}; 'each': every one); '' skips it")
+    parser.add_argument("--ablation-models", default="mlp", help="models of the ablation")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes and 2 steps per jitted call: a smoke test (< 2 min)")
     parser.add_argument("--fit", default=os.path.join(ROOT, "fit.py"),
@@ -406,7 +517,7 @@ def main(argv=None):
             "steps_per_epoch", "epochs", "steps", "rate_used", "test_size") if k in w}
             for m, w in old["whole"].items()},
             old["repeats"], old["steps_per_jit"], old["machine"], old["args"],
-            list(old.get("per_step", {})))
+            list(old.get("per_step", {})), ("arrays",), list(old.get("ablation", {})))
         with open(args.render, "w") as f:
             json.dump(report, f, indent=1)
         with open(os.path.splitext(args.render)[0] + ".md", "w") as f:
@@ -420,9 +531,21 @@ def main(argv=None):
     diff_epochs = [int(e) for e in args.diff_epochs.split(",")]
     if len(diff_epochs) != 2 or not 0 < diff_epochs[0] < diff_epochs[1]:
         parser.error(f"--diff-epochs must be two increasing counts, got {args.diff_epochs!r}")
-    for m in models + whole_models + diff_models:
+    data_forms = [d.strip() for d in args.data.split(",") if d.strip()]
+    ablation_models = [m.strip() for m in args.ablation_models.split(",") if m.strip()]
+    parts = list(ABLATIONS) if args.ablation == "each" else [
+        a.strip() for a in args.ablation.split(",") if a.strip()]
+    if not parts:
+        ablation_models = []
+    for m in models + whole_models + diff_models + ablation_models:
         if m not in DEFAULTS:
             parser.error(f"unknown model {m!r}; choose from {', '.join(DEFAULTS)}")
+    for d in data_forms:
+        if d not in ("arrays", "list"):
+            parser.error(f"unknown data form {d!r}; choose from arrays, list")
+    for a in parts:
+        if a not in ABLATIONS:
+            parser.error(f"unknown ablation {a!r}; choose from {', '.join(ABLATIONS)}")
     k = 2 if args.quick else K
     if args.steps is not None and (args.steps < 2 * k or args.steps % k):
         parser.error(f"--steps must be a multiple of {k} and at least {2 * k}, got {args.steps}")
@@ -452,7 +575,9 @@ def main(argv=None):
     runs = []  # every measured run, with its spec
 
     def measure(spec):
-        print(f"  {spec['scenario']:6s} {spec['model']:15s} {spec['method']:10s} repeat "
+        method = spec["method"] + "".join(f"-{a}" for a in spec.get("ablate") or []) + (
+            "+list" if spec.get("data") == "list" else "")
+        print(f"  {spec['scenario']:6s} {spec['model']:15s} {method:10s} repeat "
               f"{spec['repeat'] + 1}/{repeats} ... ", end="", flush=True)
         result = run_one(spec, log_dir)
         runs.append({**spec, **result})
@@ -468,12 +593,13 @@ def main(argv=None):
             steps, spe = args.steps, min(spe, args.steps)
         spe = max(k, spe // k * k)
         epochs = max(1, steps // spe)
-        for r in range(repeats):
-            for pair in PAIRS:
-                for method in (pair if r % 2 == 0 else pair[::-1]):
-                    measure({"scenario": "steady", "model": model, "method": method, "repeat": r,
-                             "steps_per_epoch": spe, "epochs": epochs, "test_size": 0,
-                             "k": k, "fit_dir": fit_dir})
+        for data in data_forms:
+            for r in range(repeats):
+                for pair in PAIRS if data == "arrays" else PAIRS[:1]:
+                    for method in (pair if r % 2 == 0 else pair[::-1]):
+                        measure({"scenario": "steady", "model": model, "method": method,
+                                 "repeat": r, "steps_per_epoch": spe, "epochs": epochs,
+                                 "test_size": 0, "k": k, "fit_dir": fit_dir, "data": data})
 
     # 2. The whole call: ~`seconds` of training (with an eval every epoch where the model has
     # a test set). The number of steps comes from the hand loop's steady rate measured above (or
@@ -514,9 +640,23 @@ def main(argv=None):
                              "steps_per_epoch": spe, "epochs": epochs, "test_size": 0, "k": k,
                              "fit_dir": fit_dir})
 
+    # 4. The ablation: fit paired with fit minus one per-step part, for each part in turn.
+    for model in ablation_models:
+        steps, spe = sizes[model]
+        if args.steps is not None:
+            steps, spe = args.steps, min(spe, args.steps)
+        for r in range(repeats):
+            for part in parts:
+                for method in (("fit", part) if r % 2 == 0 else (part, "fit")):
+                    measure({"scenario": "ablation", "model": model, "method": "fit",
+                             "ablate": [] if method == "fit" else [part], "pair": part,
+                             "repeat": r, "steps_per_epoch": spe, "epochs": steps // spe,
+                             "test_size": 0, "k": k, "fit_dir": fit_dir, "data": "arrays"})
+
     info["loadavg_end"] = os.getloadavg()
     info["bench_s"] = time.perf_counter() - t_start
-    report = summarize(runs, models, whole, repeats, k, info, vars(args), diff_models)
+    report = summarize(runs, models, whole, repeats, k, info, vars(args), diff_models,
+                       data_forms, ablation_models)
     stem = "quick" if args.quick else "latest"
     with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -529,14 +669,23 @@ def main(argv=None):
           f"{info['bench_s']:.0f} s", flush=True)
 
 
-def summarize(runs, models, whole, repeats, k, info, args, diff_models=()):
-    """Medians per (scenario, model, method), and ratios as medians of within-pair ratios."""
-    def pick(scenario, model, method, repeat=None):
+def summarize(runs, models, whole, repeats, k, info, args, diff_models=(), data_forms=("arrays",),
+              ablation_models=()):
+    """Medians per (scenario, model, method), and ratios as medians of within-pair ratios. The
+    steady scenario's models are keyed `model` for arrays, `model+list` for a list of batches."""
+    def pick(scenario, model, method, repeat=None, ablate=()):
+        model, data = (model.split("+") + ["arrays"])[:2]
         return [r for r in runs if r["scenario"] == scenario and r["model"] == model
-                and r["method"] == method and (repeat is None or r["repeat"] == repeat)]
+                and r["method"] == method and (repeat is None or r["repeat"] == repeat)
+                and r.get("data", "arrays") == data and list(r.get("ablate") or []) == list(ablate)]
 
     def med(scenario, model, method, key):
         return median([r[key] for r in pick(scenario, model, method)])
+
+    def med_where(scenario, model, part, stubbed):  # an ablation pair's fit or stubbed rate
+        return median([r["steady_steps_per_s"] for r in runs if r["scenario"] == scenario
+                       and r["model"] == model and r.get("pair") == part
+                       and bool(r.get("ablate")) == stubbed])
 
     def paired(scenario, model, fit_method, hand_method, key, invert=False, spread=False):
         """The median of the within-pair ratios (with `spread`: also their min and max)."""
@@ -551,11 +700,12 @@ def summarize(runs, models, whole, repeats, k, info, args, diff_models=()):
         return median(values), ([min(values), max(values)] if values else None)
 
     steady = {}
-    for model in models:
+    for model in [m if d == "arrays" else f"{m}+list" for m in models for d in data_forms]:
         methods = {}
         for method in ("hand", "fit", "hand_scan", "fit_scan"):
             methods[method] = {key: med("steady", model, method, key) for key in
-                               ("steady_steps_per_s", "compile_s", "wall_s", "save_ms", "peak_rss_mb")}
+                               ("steady_steps_per_s", "compile_s", "wall_s", "save_ms", "peak_rss_mb",
+                                "host_us_per_step", "cpu_us_per_step")}
             rates = [r["steady_steps_per_s"] for r in pick("steady", model, method)
                      if r["steady_steps_per_s"] is not None]
             methods[method]["steady_range"] = [min(rates), max(rates)] if rates else None
@@ -567,8 +717,9 @@ def summarize(runs, models, whole, repeats, k, info, args, diff_models=()):
                 "wall_speed": paired("steady", model, fit_m, hand, "wall_s", invert=True),
                 "rss": paired("steady", model, fit_m, hand, "peak_rss_mb")}
         # max(1.1x, hand + 60 MB) as a ratio to the hand loop's median peak RSS
-        rss_limit = lambda hand: round(max(RSS_TARGET, 1 + RSS_EXTRA_MB / hand["peak_rss_mb"]), 3)
-        steady_target = STEADY_TARGET.get(model)
+        rss_limit = lambda hand: hand["peak_rss_mb"] and round(
+            max(RSS_TARGET, 1 + RSS_EXTRA_MB / hand["peak_rss_mb"]), 3)
+        steady_target = STEADY_TARGET.get(model.split("+")[0])
         scan_target = SCAN_TARGET.get(model)
         save_target = SAVE_MS_TARGET.get(model)
         def target(value, threshold, at_least, spread=None):
@@ -634,9 +785,40 @@ def summarize(runs, models, whole, repeats, k, info, args, diff_models=()):
             "norms_target": [norms, NORMS_TARGET, ">=", verdict(norms, NORMS_TARGET, True),
                              norms_spread]}
 
+    ablation = {}
+    for model in ablation_models:
+        parts = list(dict.fromkeys(r["pair"] for r in runs if r["scenario"] == "ablation"
+                                   and r["model"] == model))
+        ablation[model] = {}
+        for part in parts:
+            gains, saved, host = [], [], []
+            for rep in range(repeats):
+                base = [r for r in pick("ablation", model, "fit", rep) if r["pair"] == part]
+                stub = [r for r in pick("ablation", model, "fit", rep, [part])]
+                if base and stub and base[0]["steady_steps_per_s"] and stub[0]["steady_steps_per_s"]:
+                    a, b = base[0]["steady_steps_per_s"], stub[0]["steady_steps_per_s"]
+                    gains.append(b / a)
+                    saved.append(1e6 * (1 / a - 1 / b))
+                if base and stub and base[0].get("host_us_per_step") and stub[0].get(
+                        "host_us_per_step"):
+                    host.append(base[0]["host_us_per_step"] - stub[0]["host_us_per_step"])
+            ablation[model][part] = {
+                "speedup": median(gains), "speedup_range": [min(gains), max(gains)] if gains else None,
+                "us_per_step_saved": median(saved),
+                "host_us_saved": median(host),
+                "host_us_range": [min(host), max(host)] if host else None,
+                "fit_steps_per_s": med_where("ablation", model, part, False),
+                "stub_steps_per_s": med_where("ablation", model, part, True)}
+
     return {"machine": info, "args": {k: v for k, v in args.items() if not k.startswith("worker")},
             "repeats": repeats, "batch_size": BATCH, "steps_per_jit": k,
-            "steady": steady, "whole": whole_out, "per_step": per_step, "runs": runs}
+            "steady": steady, "whole": whole_out, "per_step": per_step, "ablation": ablation,
+            "runs": runs}
+
+
+def _label(model):
+    name, _, data = model.partition("+")
+    return LABELS[name] + (", a list of batches" if data == "list" else "")
 
 
 def _f(value, digits=2, suffix=""):
@@ -684,13 +866,14 @@ def markdown(report):
         "",
         "## Steady training",
         "",
-        "| model | method | steady steps/s (min–max) | ratio (target) | compile s | compile ratio (target) "
-        "| wall s | ms/save | peak RSS MB | RSS ratio (target) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | method | steady steps/s (min–max) | ratio (target) | us/step (host CPU, all "
+        "CPU) | compile s | compile ratio (target) | wall s | ms/save | peak RSS MB | RSS ratio "
+        "(target) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for model, s in report["steady"].items():
         m, rt, t = s["methods"], s["ratios"], s["targets"]
-        name = f"{LABELS[model]} ({s['steps']} steps, {s['steps_per_epoch']}/epoch)"
+        name = f"{_label(model)} ({s['steps']} steps, {s['steps_per_epoch']}/epoch)"
         rows = [
             ("hand (jit, k=1)", m["hand"], "1 (baseline)", "1 (baseline)", "1 (baseline)"),
             ("fit defaults", m["fit"], _target_cell(t["fit_steady"]), _target_cell(t["fit_compile"]),
@@ -703,6 +886,8 @@ def markdown(report):
         if "fit_scan_vs_hand" in t:  # (older results lack it)
             rows.append((f"fit steps_per_jit={k} vs hand k=1", m["fit_scan"],
                          _target_cell(t["fit_scan_vs_hand"]), "", ""))
+        if model.endswith("+list"):  # (the single-step pair only)
+            rows = rows[:2]
         for label, v, steady_cell, compile_cell, rss_cell in rows:
             save = _f(v["save_ms"], 1)
             if label == "fit defaults" and t["fit_save_ms"][1] is not None:
@@ -710,7 +895,9 @@ def markdown(report):
             spread = v.get("steady_range")
             rate = _f(v["steady_steps_per_s"]) + (f" ({spread[0]:.2f}–{spread[1]:.2f})"
                                                    if spread and spread[0] != spread[1] else "")
-            lines.append(f"| {name} | {label} | {rate} | {steady_cell} | "
+            per_step = (f"{_f(1e6 / v['steady_steps_per_s'] if v['steady_steps_per_s'] else None, 1)}"
+                        f" ({_f(v.get('host_us_per_step'), 1)}, {_f(v.get('cpu_us_per_step'), 1)})")
+            lines.append(f"| {name} | {label} | {rate} | {steady_cell} | {per_step} | "
                          f"{_f(v['compile_s'])} | {compile_cell} | {_f(v['wall_s'], 1)} | {save} | "
                          f"{_f(v['peak_rss_mb'], 0)} | {rss_cell} |")
     lines += ["",
@@ -720,7 +907,11 @@ def markdown(report):
               "defaults pair "
               f"with the k=1 hand loop, steps_per_jit={k} with the unrolled k={k} scan. ms/save is the "
               "blocking part of fit's asynchronous orbax save (save_s / save_count). Wall s is the "
-              "whole call of that run (fit: including its checkpoints and writer setup).", ""]
+              "whole call of that run (fit: including its checkpoints and writer setup). us/step "
+              "is 1e6 / the steady rate, then the CPU time a step over the steady window (fit: "
+              "from the first to the last log point; hand: after the first call): the main "
+              "thread's (the host loop's own work) and the whole process's (XLA's threads too).",
+              ""]
     if report["whole"]:
         lines += ["## Whole call", "",
                   "fit's whole call with its defaults (progress bar, TensorBoard, checkpoints on "
@@ -753,7 +944,30 @@ def markdown(report):
                          f"{_f(ms['fit_nonorm'], 4)} | {_target_cell(d['target'])} | "
                          f"{_target_cell(d['norms_target'])} |")
         lines.append("")
-    fails = [f"{LABELS[m]} {k}{_in_noise(t)}" for m, s in report["steady"].items()
+    if report.get("ablation"):
+        lines += ["## Ablation of fit's per-step parts (arrays)", "",
+                  "fit paired with fit minus one part (its source rewritten: `ABLATIONS` in "
+                  "bench.py); speedup = stubbed steady steps/s / fit's, the median of the "
+                  "within-pair ratios [min–max]; us/step = 1e6 (1/fit rate - 1/stubbed rate), "
+                  "the median over pairs: what the part costs a step; host us/step: the main "
+                  "thread's CPU time a step (fit's minus the stubbed run's, over the steady "
+                  "window between the first and the last log point), unmoved by the machine's "
+                  "load.", "",
+                  "| model | part stubbed | fit steps/s | stubbed steps/s | speedup | us/step "
+                  "| host CPU us/step [min–max] |", "|---|---|---|---|---|---|---|"]
+        for model, parts in report["ablation"].items():
+            ranked = sorted(parts.items(), key=lambda kv: -(kv[1]["us_per_step_saved"] or 0))
+            for part, a in ranked:
+                spread = a["speedup_range"]
+                cell = _f(a["speedup"], 3, "x") + (f" [{spread[0]:.3f}–{spread[1]:.3f}]"
+                                                   if spread else "")
+                hr = a.get("host_us_range")
+                host = _f(a.get("host_us_saved"), 1) + (f" [{hr[0]:.1f}–{hr[1]:.1f}]" if hr else "")
+                lines.append(f"| {LABELS[model]} | {part} | {_f(a['fit_steps_per_s'], 0)} | "
+                             f"{_f(a['stub_steps_per_s'], 0)} | {cell} | "
+                             f"{_f(a['us_per_step_saved'], 1)} | {host} |")
+        lines.append("")
+    fails = [f"{_label(m)} {k}{_in_noise(t)}" for m, s in report["steady"].items()
              for k, t in s["targets"].items() if t[3] == "FAIL"]
     fails += [f"{LABELS[m]} whole call{_in_noise(w['target'])}" for m, w in report["whole"].items()
               if w["target"][3] == "FAIL"]

@@ -57,20 +57,24 @@ def test_host_reads_do_not_grow_with_steps(host_reads, tmp_path, one_device_mesh
 
 
 def test_batches_are_placed_before_their_step(monkeypatch, tmp_path):
-    # On the 8 simulated devices: there _put really places each batch (on a single CPU device it
+    # On the 8 simulated devices: there put really places each batch (on a single CPU device it
     # hands numpy to jit, whose own C++ path is faster than device_put).
     events = []
-    real_put, real_train = fit_module._put, fit_module._Meter.train
+    real_putter, real_train = fit_module._putter, fit_module._Meter.train
 
-    def put(*args, **kwargs):
-        events.append("put")
-        return real_put(*args, **kwargs)
+    def putter(*args, **kwargs):
+        real_put = real_putter(*args, **kwargs)
+
+        def put(*args, **kwargs):
+            events.append("put")
+            return real_put(*args, **kwargs)
+        return put
 
     def train(self, *args, **kwargs):
         events.append("step")
         return real_train(self, *args, **kwargs)
 
-    monkeypatch.setattr(fit_module, "_put", put)
+    monkeypatch.setattr(fit_module, "_putter", putter)
     monkeypatch.setattr(fit_module._Meter, "train", train)
     placed = []
     real_device_put = fit_module.jax.device_put
@@ -81,7 +85,7 @@ def test_batches_are_placed_before_their_step(monkeypatch, tmp_path):
 
     monkeypatch.setattr(fit_module.jax, "device_put", device_put)
     fit(make_state(MLP()), _data(10), loss_fn=loss_fn, workdir=str(tmp_path))
-    assert len(placed) >= 10, "the batches were not placed on the devices by _put"
+    assert len(placed) >= 10, "the batches were not placed on the devices by put"
     steps = [i for i, e in enumerate(events) if e == "step"]
     assert len(steps) == 10
     for n, i in enumerate(steps):

@@ -474,13 +474,17 @@ def test_sigint_mid_epoch_with_arrays_then_resume_is_exact(boundary, tmp_path, m
     x, y, xt, yt = boundary.data
     calls = []
 
-    def put(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 14:
-            send_sigint()
-        return real_put(*args, **kwargs)
-    real_put = fit_module._put
-    monkeypatch.setattr(fit_module, "_put", put)
+    def putter(*args, **kwargs):
+        real_put = real_putter(*args, **kwargs)
+
+        def put(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 14:
+                send_sigint()
+            return real_put(*args, **kwargs)
+        return put
+    real_putter = fit_module._putter
+    monkeypatch.setattr(fit_module, "_putter", putter)
     common = dict(loss_fn=loss_fn, eval_step=eval_step, batch_size=BATCH, num_epochs=2,
                   ckpt_every=5, workdir=str(tmp_path))
     _, h = fit(make_state(CNN(), adam()), (x, y), (xt, yt), **common)
