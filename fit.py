@@ -87,7 +87,8 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tensorboardX import SummaryWriter
-from tensorboardX.summary import hparams as hparams_summaries
+from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.summary import hparams as hparams_summaries, scalar as scalar_summary
 from tqdm.auto import tqdm
 
 __all__ = ["TrainState", "Weighted", "lr_schedule", "Options", "fit", "evaluate", "load_ckpt",
@@ -433,8 +434,9 @@ class History(dict):
     """`fit`'s history of the whole run, resumes too: lists of `epoch`, `step`, `train/<metric>`
     (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` per eval, and `stopped` (why a
     run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`: `compile_s`, `eval_s`,
-    `save_s`, `finish_s`, `data_s` (fetching batches), their `*_count` (not data's), `steps`,
-    `steady_steps_per_s` (without compiles, evals and saves), `wall_s`."""
+    `save_s`, `finish_s` (the last save's commit), `close_s` (hooks' train_end, closing files),
+    `data_s` (fetching batches), their `*_count` (not data's), `steps`, `steady_steps_per_s`
+    (without compiles, evals, saves, the commit and the closing), `wall_s`."""
     run = log_dir = ckpt_dir = timing = None
 
 
@@ -500,7 +502,7 @@ class ProgressBar:
     monitor, speed and an ETA without compiles, and a line per epoch; `verbose=2`: the lines."""
 
     def __init__(self, verbose=1):
-        self.verbose, self.bar, self.line, self.shown = verbose, None, None, {}
+        self.verbose, self.bar, self.line, self.shown, self.drawn = verbose, None, None, {}, 0.0
 
     def __call__(self, event, run):
         if self.line:  # an epoch's line waits for an eval of its step, if one follows
@@ -521,12 +523,17 @@ class ProgressBar:
                             bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                                        "[{elapsed}{postfix}]")
         elif event == "train_end" and self.bar is not None:
+            self._show_bar(run, describe=False)  # (the last log point may not have been drawn)
             self.bar.close()
-        if self.bar is not None and event in ("train_start", "log", "eval"):
+        # (a log point within tqdm's 0.1 s of the last drawing would not be drawn: skip its work)
+        if self.bar is not None and (event in ("train_start", "eval") or event == "log" and
+                                     time.monotonic() > self.drawn + 0.1):
             self._show_bar(run)
 
-    def _show_bar(self, run):
-        self.bar.set_description(f"epoch {run.epoch + 1}/{run.num_epochs}", refresh=False)
+    def _show_bar(self, run, describe=True):
+        self.drawn = time.monotonic()
+        if describe:
+            self.bar.set_description(f"epoch {run.epoch + 1}/{run.num_epochs}", refresh=False)
         names = ["train/loss"] + ([run.monitor] if run.monitor != "train/loss" else [])
         parts = [f"{n.split('/')[-1]}={self.shown[n]:.4g}" for n in names if n in self.shown]
         if rate := self.shown.get("perf/steps_per_s"):
@@ -550,7 +557,13 @@ class TensorBoard:
         # TensorBoard takes numbers, strings, booleans: numpy scalars via JSON, the rest as text.
         self.hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                         for k, v in _jsonable(hparams).items()}
-        self.writer = None
+        self.writer, self.tags = None, {}
+
+    def _tag(self, name):
+        """A metric's tag, cleaned as tensorboardX's add_scalar cleans it (once a name)."""
+        if name not in self.tags:
+            self.tags[name] = scalar_summary(name, 0.0).value[0].tag
+        return self.tags[name]
 
     def __call__(self, event, run):
         if event == "train_start":
@@ -570,8 +583,10 @@ class TensorBoard:
         elif self.writer is None:
             return
         elif event in ("log", "eval", "epoch_end", "save"):
-            for name, value in run.metrics.items() if event != "epoch_end" else ():
-                self.writer.add_scalar(name, value, run.step)
+            if run.metrics and event != "epoch_end":  # one event for all: ~4x cheaper than one each
+                values = [Summary.Value(tag=self._tag(k), simple_value=float(v))
+                          for k, v in run.metrics.items()]
+                self.writer.file_writer.add_summary(Summary(value=values), run.step)
             tracked = "eval" if run.monitor.startswith("eval/") else "epoch_end"
             if event == tracked and run.best is not None:
                 self.writer.add_scalar(f"best/{run.monitor}", run.best, run.step)
@@ -858,8 +873,7 @@ class _Data:
                              f"number of examples, got {n} inputs and {len(self.y)} targets.")
         self.length = min(math.ceil(n / batch_size), self.steps_per_epoch or math.inf)
         self.sizes = [min(batch_size, n - i * batch_size) for i in range(self.length)]
-        take = jax.jit(lambda a, idx: a[idx])  # (jnp's own indexing costs ~30 us more a call)
-        self.take = [take if isinstance(a, jax.Array) else np.ndarray.__getitem__
+        self.take = [_take if isinstance(a, jax.Array) else np.ndarray.__getitem__
                      for a in (self.x, self.y)]
         return self._convert((self.x[:batch_size], self.y[:batch_size]), 0)
 
@@ -905,14 +919,16 @@ class _Data:
             length = f" of length {len(batch)}" if hasattr(batch, "__len__") else ""
             raise TypeError(f"fit: {self.name} must yield (inputs, targets) pairs, but batch "
                             f"{index} is a {type(batch).__name__}{length}.")
-        leaves, treedef = jax.tree.flatten(tuple(batch) if isinstance(batch, list) else batch)
+        batch = tuple(batch) if isinstance(batch, list) else batch
+        leaves, treedef = jax.tree.flatten(batch)
         if not all(isinstance(a, (np.ndarray, jax.Array)) for a in leaves):
             leaves = [a if isinstance(a, (np.ndarray, jax.Array)) else np.asarray(a)
                       for a in leaves]
+            batch = jax.tree.unflatten(treedef, leaves)
         kinds = (treedef, tuple((a.dtype, a.ndim) for a in leaves))  # (as _kinds, inline)
         if kinds != self.kinds or len({a.shape[0] if a.ndim else None for a in leaves}) != 1:
             self._refuse(leaves, index)
-        return jax.tree.unflatten(treedef, leaves)
+        return batch
 
     def _refuse(self, leaves, index):
         """The error for a batch unlike the first (a first batch passes if it can be one)."""
@@ -975,6 +991,9 @@ class _Data:
             yield raw, _position(iterator)
 
 
+_take = jax.jit(lambda a, idx: a[idx])  # a device array's rows (jnp's indexing: ~30 us more)
+
+
 def _position(iterator):
     """A resumable (grain) iterator's state as JSON (DataLoader's bytes as text), else None."""
     if not (hasattr(iterator, "get_state") and hasattr(iterator, "set_state")):
@@ -986,6 +1005,9 @@ def _position(iterator):
 def _grouped(batches, k, step, max_steps=None, said=None):
     """Yields `(batch, position, steps)`: runs of `k` equally shaped batches stacked (steps_per_jit)
     from multiples of k in absolute steps, so a resume groups alike; other batches run singly."""
+    if k == 1:  # (the common case, at the least cost a batch)
+        yield from ((batch, position, 1) for batch, position in batches)
+        return
     group, said = [], set() if said is None else said  # (said: warnings given in this call)
     for batch, position in batches:
         if group and not _same_shapes(batch, group[0][0]):  # another shape ends the group:
@@ -1044,7 +1066,9 @@ def _putter(mesh, data_axis):
     last batch) goes whole to every device: exact, if redundant. Its shardings and the process
     count are made here, once: per batch they cost ~1-5 us. A jax.Array moves device to device."""
     if mesh.size == 1 and jax.process_count() == 1 and _platform(mesh) == "cpu":
-        return lambda batch, stacked=False: batch  # jit's C++ path takes numpy faster
+        one = NamedSharding(mesh, P())  # (numpy as it is: jit's C++ path takes it faster)
+        return lambda batch, stacked=False: batch if isinstance(
+            jax.tree.leaves(batch)[0], np.ndarray) else jax.device_put(batch, one)
     shards, processes = _local_shards(mesh, data_axis), jax.process_count()
     shardings = {(True, True): NamedSharding(mesh, P(None, data_axis)), (False, True):
                  NamedSharding(mesh, P(data_axis)), (True, False): NamedSharding(mesh, P()),
@@ -1421,6 +1445,8 @@ def _train_and_accumulate(train, state, acc, batch):
 
 
 _MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warns
+_AHEAD = 2  # calls the host may dispatch before the device has finished them
+_LAG = 1  # calls after a log point that its sums are read (at most _AHEAD: then they are done)
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
 
 
@@ -1575,7 +1601,8 @@ class _Meter:
         self.norm_names, self.norms, self.param_norm = steps.train_names, {}, steps.param_norm
         # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
         self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
-        self.pending, self.lr, self.logged, self.first_step = None, None, step, step
+        self.pending, self.calls = collections.deque(), 0  # log points to read, calls made
+        self.lr, self.logged, self.first_step = None, step, step
         self.compiled, self.inflight, self.compile_shown = set(), collections.deque(), 0.0
         # The batch shapes fed since the last log point, where they changed (_agree_shapes).
         self.shape, self.changes, self.fed, self.said = None, [], step, set()
@@ -1583,6 +1610,7 @@ class _Meter:
         self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data")}
         self.spent_steps, self.data_logged = 0, 0.0
         self.t0 = self.t_ready = self.t_logged = time.perf_counter()
+        self.t_end = None
 
     def train(self, steps, state, batch, k):
         """Dispatches one step (or k); only a new batch shape waits, to time its compile."""
@@ -1591,7 +1619,7 @@ class _Meter:
         if shape != self.shape:  # (length buckets: a new shape)
             self.shape = shape
             self.changes.append((self.fed, shape))
-        self.fed += k
+        self.fed, self.calls = self.fed + k, self.calls + 1
         train = steps.train if k == 1 else steps.train_k
         if shape in self.compiled:
             state, self.acc = train(state, self.acc, batch)
@@ -1605,26 +1633,28 @@ class _Meter:
                               f"and each new shape compiles the step again; pad them to a few "
                               f"lengths (buckets) instead.")
         self.inflight.append(self.acc["count"])
-        if len(self.inflight) > 2:  # the host stays <= 2 calls ahead: no queue of batches
+        if len(self.inflight) > _AHEAD:  # no queue of batches (and, measured, a faster host)
             self.inflight.popleft().block_until_ready()
         self.t_ready = time.perf_counter()
         return state
 
     def read(self, step, log_due, sync=False):
-        """`[(step, metrics)]` of the log points ready now: a log point's sums are read at the next
-        call, when the device has finished them; with `sync` (an epoch's end, a save), at once."""
-        ready = [self.pending] if self.pending else []  # (the last log point's, finished now)
-        self.pending = None
+        """`[(step, metrics)]` of the log points ready now: a log point's sums are read `_LAG`
+        calls later, when the device has finished them and still has steps queued to run while
+        the host logs; with `sync` (an epoch's end, a save), at once."""
+        ready = []
+        while self.pending and (sync or self.calls - self.pending[0][3] >= _LAG):
+            ready.append(self.pending.popleft())
         if log_due or sync:
             if jax.process_count() > 1:
                 self._agree_shapes(step)
-            this, self.acc = (self.acc, step, log_due), self.acc0
+            this, self.acc = (self.acc, step, log_due, self.calls), self.acc0
             if sync:
                 ready.append(this)
             else:
-                self.pending = this
+                self.pending.append(this)
         logged = []
-        for acc, at, log in ready:
+        for acc, at, log, _ in ready:
             self._add(jax.device_get(acc), at)
             logged += self._interval(at) if log else []
         return logged
@@ -1711,18 +1741,21 @@ class _Meter:
         self.spent[what][1] += 1
         self.spent_steps += steps
         self.t_ready = time.perf_counter()
+        if what == "finish":  # training ends here: closing writers and files after it is not
+            self.t_end = self.t_ready
 
     def steady_rate(self, step):
-        seconds = time.perf_counter() - self.t0 - sum(
+        seconds = (self.t_end or time.perf_counter()) - self.t0 - sum(
             s for k, (s, _) in self.spent.items() if k != "data")
         steps = step - self.first_step - self.spent_steps
         return steps / seconds if steps > 0 and seconds > 0 else None
 
     def timing(self, step):
+        now = time.perf_counter()
         return {**{f"{k}_s": s for k, (s, _) in self.spent.items()},
                 **{f"{k}_count": n for k, (_, n) in self.spent.items() if k != "data"},
-                "steps": step - self.first_step, "steady_steps_per_s": self.steady_rate(step),
-                "wall_s": time.perf_counter() - self.t0}
+                "close_s": now - (self.t_end or now), "steps": step - self.first_step,
+                "steady_steps_per_s": self.steady_rate(step), "wall_s": now - self.t0}
 
 
 # -- Checkpoints: the run's claim and lock, orbax, saves, restores, damaged steps --------------
@@ -1749,7 +1782,7 @@ class _Checkpoints:
         self.monitor, self.best, self.base = best.monitor, best, base
         self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
         self.mgr, self.saved, self.good, self.calls = None, None, None, 0
-        self.processes = jax.process_count()
+        self.processes, self.writing = jax.process_count(), False  # (writing: a save in flight)
 
     def restore(self, state):
         """The latest checkpoint's state and `_Progress`, checked against this call; else fresh."""
@@ -1774,10 +1807,11 @@ class _Checkpoints:
                 cleanup_tmp_directories=True, **self.best.manager_options()))
 
     def overdue(self):
-        """`ckpt_interval` passed since the last save? Also raises a failed async save's error."""
+        """`ckpt_interval` passed since the last save? Also raises a failed async save's error once
+        it has ended (orbax is asked only while a save is in flight: each ask costs ~50 us)."""
         # (One process alone: orbax's wait may be a collective, and processes need not agree on
         # whether a save is still in progress; there, errors come at the next save.)
-        if self.mgr and jax.process_count() == 1 and not self.mgr.is_saving_in_progress():
+        if self.writing and self.processes == 1 and not self.mgr.is_saving_in_progress():
             self.wait()  # returns at once; raises a finished save's error
         return time.monotonic() - self.last_time >= self.interval
 
@@ -1801,13 +1835,13 @@ class _Checkpoints:
             if not saved:  # (orbax refuses a step at or below the latest it lists)
                 raise RuntimeError(f"orbax refused to save step {step}: its latest step is "
                                    f"{self.mgr.latest_step()}")
-        self.saved, self.last_time = step, time.monotonic()
+        self.saved, self.last_time, self.writing = step, time.monotonic(), True
 
     def wait(self):
         if self.mgr is not None:
             with self._failure(self.saved):
                 self.mgr.wait_until_finished()
-            self.good = self.saved
+            self.good, self.writing = self.saved, False
 
     @contextlib.contextmanager
     def _failure(self, step):

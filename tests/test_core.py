@@ -402,7 +402,7 @@ def test_timing_leaves_compiles_saves_and_the_last_commit_out_of_the_rate(tmp_pa
     # best, and at the end; a 2-epoch run without a test set saves once, at its end.
     assert tuple(t[k] for k in counts) == (8, 1, 0, 1, 1), t
     assert t["finish_s"] > 0  # waiting for the last checkpoint's commit, once, at the end
-    left_out = t["compile_s"] + t["eval_s"] + t["save_s"] + t["finish_s"]
+    left_out = t["compile_s"] + t["eval_s"] + t["save_s"] + t["finish_s"] + t["close_s"]
     assert t["steady_steps_per_s"] == pytest.approx(7 / (t["wall_s"] - left_out), rel=0.05), t
 
 
