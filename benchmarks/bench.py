@@ -680,7 +680,7 @@ def summarize(runs, models, whole, repeats, k, info, args, diff_models=(), data_
                 and r.get("data", "arrays") == data and list(r.get("ablate") or []) == list(ablate)]
 
     def med(scenario, model, method, key):
-        return median([r[key] for r in pick(scenario, model, method)])
+        return median([r.get(key) for r in pick(scenario, model, method)])
 
     def med_where(scenario, model, part, stubbed):  # an ablation pair's fit or stubbed rate
         return median([r["steady_steps_per_s"] for r in runs if r["scenario"] == scenario
