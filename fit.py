@@ -313,7 +313,7 @@ def fit(state, train_ds, test_ds=None, **options):
                                           evaluate=evaluate)
             save = functools.partial(_save, base=base, run=run, meter=meter, ckpts=ckpts,
                                      verbose=verbose)
-            due = plan.next_due(step)  # the next step at which anything but a step is due
+            due = step  # the step from which the loop checks what is due (here: the first)
             while not (run.stopping or plan.done(epoch, step)):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
                                    opts.max_steps, meter.said)
@@ -327,7 +327,7 @@ def fit(state, train_ds, test_ds=None, **options):
                     run.log(state, epoch, logged, save=ckpts.overdue, stop=signals.asked)
                     if plan.due("eval", step, k):
                         run.evaluate(state, step, epoch, evaluate(state))
-                    run.stopping = run.stopping or stop
+                    run.stopping = run.stopping or stop or signals.reason
                     cut = plan.done(epoch, step) and not (last or run.stopping)  # by max_steps
                     if last or cut:  # the epoch's end comes before the save of its last step
                         end_epoch(state, step, epoch, complete=last)
@@ -337,7 +337,9 @@ def fit(state, train_ds, test_ds=None, **options):
                         break
                     if run.save or plan.due("ckpt", step, k):
                         save(state, step, epoch, position)
-                    due = step + 1 if meter.pending else plan.next_due(step)  # (read it next)
+                    # (at once: a pending log point's read; a stop or save a save's hooks asked)
+                    due = step + 1 if meter.pending or run.stopping or run.save else \
+                        plan.next_due(step)
             save(state, step, epoch, position)  # always: at the end and on every stop
             with meter.timed("finish"):  # the last save's commit: once a run, not steady work
                 ckpts.wait()
@@ -523,17 +525,17 @@ class ProgressBar:
                             bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                                        "[{elapsed}{postfix}]")
         elif event == "train_end" and self.bar is not None:
-            self._show_bar(run, describe=False)  # (the last log point may not have been drawn)
+            self._show_bar(run)  # (the last log point may not have been drawn)
             self.bar.close()
         # (a log point within tqdm's 0.1 s of the last drawing would not be drawn: skip its work)
         if self.bar is not None and (event in ("train_start", "eval") or event == "log" and
                                      time.monotonic() > self.drawn + 0.1):
             self._show_bar(run)
 
-    def _show_bar(self, run, describe=True):
+    def _show_bar(self, run):
         self.drawn = time.monotonic()
-        if describe:
-            self.bar.set_description(f"epoch {run.epoch + 1}/{run.num_epochs}", refresh=False)
+        epoch = min(run.epoch + 1, run.num_epochs)  # (at train_end, a finished run's last)
+        self.bar.set_description(f"epoch {epoch}/{run.num_epochs}", refresh=False)
         names = ["train/loss"] + ([run.monitor] if run.monitor != "train/loss" else [])
         parts = [f"{n.split('/')[-1]}={self.shown[n]:.4g}" for n in names if n in self.shown]
         if rate := self.shown.get("perf/steps_per_s"):
@@ -837,11 +839,12 @@ _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on fr
 
 
 class _Data:
-    """A data argument as per-epoch iterators of `(batch, position)` on the host; `position`
-    (batches done this epoch, iterator state) is where a checkpoint of that batch resumes, exactly
-    for arrays `(x, y)` (shuffled from `(seed, epoch)`), a re-iterable yielding the same batches at
-    each `iter()` (read once per epoch), an iterator with `get_state()`/`set_state()`, and a
-    deterministic one-shot stream (`steps_per_epoch` batches an epoch)."""
+    """A data argument as per-epoch iterators of `(batch, position)`, numpy arrays or jax.Arrays
+    (which stay on their devices); `position` (batches done this epoch, iterator state) is where a
+    checkpoint of that batch resumes, exactly for arrays `(x, y)` (shuffled from `(seed, epoch)`),
+    a re-iterable yielding the same batches at each `iter()` (read once per epoch), an iterator
+    with `get_state()`/`set_state()`, and a deterministic one-shot stream (`steps_per_epoch`
+    batches an epoch)."""
 
     def __init__(self, ds, name, opts, train):
         self.name, self.shuffle, self.seed = name, train, opts.seed
@@ -855,10 +858,17 @@ class _Data:
         first = self._arrays(ds, opts.batch_size) if self.arrays else self._iterable(ds)
         self.spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), first)
         self.kinds = _kinds(first)  # what every later batch is compared with (_convert)
-        self.batch_size = jax.tree.leaves(first)[0].shape[0]
+        if any(isinstance(a, jax.Array) and not a.is_fully_addressable
+               for a in jax.tree.leaves(first)):
+            raise ValueError(f"fit: {name} holds jax.Arrays spread over several processes; "
+                             f"give each process its own rows (numpy arrays, or jax.Arrays on "
+                             f"its own devices): fit makes the global batches.")
+        self.batch_size, self.ready = jax.tree.leaves(first)[0].shape[0], None
         if self.sizes is None and isinstance(ds, (list, tuple)):  # in memory: check every batch
-            self.sizes = [len(jax.tree.leaves(self._convert(raw, i))[0])
-                          for i, raw in enumerate(ds)]
+            checked = [self._convert(raw, i) for i, raw in enumerate(ds)]
+            self.sizes = [len(jax.tree.leaves(batch)[0]) for batch in checked]
+            if type(ds) in (list, tuple):  # (a subclass may iterate its own way)
+                self.ready = checked  # its batches as they will be fed, checked once
 
     def _arrays(self, ds, batch_size):
         if batch_size is None:
@@ -866,16 +876,24 @@ class _Data:
                              f"fit can batch them.")
         # jax.Arrays stay on their devices, and their batches are gathered there: a step never
         # waits for device data to go to the host and back.
-        self.x, self.y = (a if isinstance(a, jax.Array) else np.asarray(a) for a in ds)
+        x, y = (a if isinstance(a, jax.Array) else np.asarray(a) for a in ds)
+        self.x, self.y = x, y
         n = len(self.x)
         if n != len(self.y) or n == 0:
             raise ValueError(f"fit: {self.name} must be two non-empty arrays with the same "
                              f"number of examples, got {n} inputs and {len(self.y)} targets.")
         self.length = min(math.ceil(n / batch_size), self.steps_per_epoch or math.inf)
         self.sizes = [min(batch_size, n - i * batch_size) for i in range(self.length)]
-        self.take = [_take if isinstance(a, jax.Array) else np.ndarray.__getitem__
-                     for a in (self.x, self.y)]
+        self.rows = lambda idx: (x[idx], y[idx])
+        if isinstance(x, jax.Array) or isinstance(y, jax.Array):
+            self.rows = self._device_rows
         return self._convert((self.x[:batch_size], self.y[:batch_size]), 0)
+
+    def _device_rows(self, idx):
+        """Rows `idx` of x and y where each is: device arrays' in one call, numpy's on the host."""
+        on_device = [a for a in (self.x, self.y) if isinstance(a, jax.Array)]
+        rows = iter(_take(on_device, idx))
+        return tuple(next(rows) if isinstance(a, jax.Array) else a[idx] for a in (self.x, self.y))
 
     def _iterable(self, ds):
         if hasattr(ds, "set_epoch"):
@@ -906,8 +924,9 @@ class _Data:
     def _convert(self, batch, index):
         """A batch as arrays, checked: numpy arrays and jax.Arrays pass as they are (a jax.Array
         stays on its device), anything else that np.asarray takes (a list, a torch tensor) becomes
-        numpy. It runs for every batch, so a batch like the first costs a flatten and a comparison
-        of dtype objects and ranks (`str(dtype)` costs ~7 us a leaf: numpy 2's is Python code)."""
+        numpy. It runs for every batch an iterable yields, so a batch like the first costs a
+        flatten and a comparison of dtype objects and ranks (`str(dtype)`: ~7 us a leaf in numpy
+        2, Python code). Arrays `(x, y)` are checked once, their batches made by fit."""
         if isinstance(batch, dict) and (self.keys or not self.custom):
             if not self.keys or not set(self.keys) <= set(batch):
                 raise TypeError(f"fit: {self.name} yields dicts with keys {sorted(batch)}; name "
@@ -950,11 +969,14 @@ class _Data:
             order = np.arange(len(self.x))
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(order)
-            (x, take_x), (y, take_y) = zip((self.x, self.y), self.take)
+            rows, n = self.rows, self.batch_size
             for i in range(skip, self.length):
                 # (sorted: the rows of a memory-mapped file are read in order)
-                idx = np.sort(order[i * self.batch_size:(i + 1) * self.batch_size])
-                yield (take_x(x, idx), take_y(y, idx)), (i + 1, None)
+                yield rows(np.sort(order[i * n:(i + 1) * n])), (i + 1, None)
+            return
+        if self.ready is not None:  # a list: nothing to check again
+            for i in range(skip, min(len(self.ready), self.steps_per_epoch or math.inf)):
+                yield self.ready[i], (i + 1, None)
             return
         if self.stream:
             # A resumed stream restarts: drop what was consumed (exact if it is deterministic).
@@ -987,11 +1009,12 @@ class _Data:
                 for _ in range(skip):  # (not islice: that would hide get_state)
                     next(iterator, None)
         end = object()  # (not iter(next, None): a numpy batch would be compared elementwise)
+        resumable = hasattr(iterator, "get_state") and hasattr(iterator, "set_state")
         while (raw := next(iterator, end)) is not end:
-            yield raw, _position(iterator)
+            yield raw, _position(iterator) if resumable else None
 
 
-_take = jax.jit(lambda a, idx: a[idx])  # a device array's rows (jnp's indexing: ~30 us more)
+_take = jax.jit(lambda arrays, idx: [a[idx] for a in arrays])  # (jnp's indexing: ~30 us more)
 
 
 def _position(iterator):
@@ -1067,8 +1090,8 @@ def _putter(mesh, data_axis):
     count are made here, once: per batch they cost ~1-5 us. A jax.Array moves device to device."""
     if mesh.size == 1 and jax.process_count() == 1 and _platform(mesh) == "cpu":
         one = NamedSharding(mesh, P())  # (numpy as it is: jit's C++ path takes it faster)
-        return lambda batch, stacked=False: batch if isinstance(
-            jax.tree.leaves(batch)[0], np.ndarray) else jax.device_put(batch, one)
+        numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
+        return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
     shards, processes = _local_shards(mesh, data_axis), jax.process_count()
     shardings = {(True, True): NamedSharding(mesh, P(None, data_axis)), (False, True):
                  NamedSharding(mesh, P(data_axis)), (True, False): NamedSharding(mesh, P()),
@@ -1446,7 +1469,7 @@ def _train_and_accumulate(train, state, acc, batch):
 
 _MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warns
 _AHEAD = 2  # calls the host may dispatch before the device has finished them
-_LAG = 1  # calls after a log point that its sums are read (at most _AHEAD: then they are done)
+_LAG = 1  # calls after a log point that its sums are read (the read waits for them if need be)
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
 
 

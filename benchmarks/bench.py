@@ -110,9 +110,10 @@ COMPILE_TARGET = 1.2
 # The ablation (#28): fit's per-step host and device parts on the array path, each stubbed in turn
 # by rewriting the measured fit.py's source (so a stub's text names exactly what it removes). Each
 # stub is a list of (text in fit.py, its replacement); a stub whose text the measured fit.py lacks
-# is reported as not applicable. The stubs were written against b603621's fit.py; a stubbed run
-# trains the bench's models correctly (no evals, no saves but the last, no steps_per_jit) but may
-# log wrong metrics.
+# fails its run with a LookupError. The stubs were written against b603621's fit.py (#28 changed
+# the put and the throttle's text since: run `--ablation each` with `--fit` of b603621); a stubbed
+# run trains the bench's models correctly (no evals, no saves but the last, no steps_per_jit) but
+# may log wrong metrics.
 _LAYERS = """
 def _bench_flat(train, epoch, skip, put):  # one generator instead of epoch, _grouped, _prefetch
     order = np.random.default_rng([train.seed, epoch]).permutation(len(train.x))

@@ -5,8 +5,9 @@
 Trains the tiny MLP with FIT_PY (the repo's fit.py, or an older one from git) on a list of numpy
 batches, with fit's defaults (log_every=50: no log point, eval or save in the first 30 steps), and
 counts, between the 5th and the 15th dispatch of a step (`_Meter.train`), the calls of fit's
-`_kinds`, numpy's `dtype.__str__` (Python code in numpy 2), `NamedSharding(...)` and
-`jax.process_count()`. Writes `{name: count}` to OUT_JSON.
+`_kinds`, numpy's `dtype.__str__` (Python code in numpy 2), `NamedSharding(...)`,
+`jax.process_count()`, and of the loop's bookkeeping (`_Meter.read`, `_Plan.due`). Writes
+`{name: count}` to OUT_JSON.
 """
 import collections
 import importlib.util
@@ -45,6 +46,8 @@ def counted(name, fn):
 
 
 fit._kinds = counted("_kinds", fit._kinds)
+fit._Meter.read = counted("_Meter.read", fit._Meter.read)  # the loop's bookkeeping: a log point
+fit._Plan.due = counted("_Plan.due", fit._Plan.due)  # read, and whether anything is due
 numpy_dtype.__str__ = counted("dtype.__str__", numpy_dtype.__str__)
 jax.process_count = counted("process_count", jax.process_count)
 real_sharding = fit.NamedSharding
@@ -80,6 +83,7 @@ fit.fit(state, batches, loss_fn=loss_fn, workdir=tempfile.mkdtemp(), verbose=0,
         tensorboard=False)
 before, after = window[4], window[14]
 result = {name: after.get(name, 0) - before.get(name, 0)
-          for name in ("_kinds", "dtype.__str__", "NamedSharding", "process_count")}
+          for name in ("_kinds", "dtype.__str__", "NamedSharding", "process_count",
+                       "_Meter.read", "_Plan.due")}
 with open(out_path, "w") as f:
     json.dump(result, f)
