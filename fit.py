@@ -337,9 +337,7 @@ def fit(state, train_ds, test_ds=None, **options):
                         break
                     if run.save or plan.due("ckpt", step, k):
                         save(state, step, epoch, position)
-                    # (at once: a pending log point's read; a stop or save a save's hooks asked)
-                    due = step + 1 if meter.pending or run.stopping or run.save else \
-                        plan.next_due(step)
+                    due = plan.next_due(step, now=meter.pending or run.stopping or run.save)
             save(state, step, epoch, position)  # always: at the end and on every stop
             with meter.timed("finish"):  # the last save's commit: once a run, not steady work
                 ckpts.wait()
@@ -1130,11 +1128,13 @@ class _Plan:
         every = self.every[name]
         return bool(every) and step // every > (step - k) // every
 
-    def next_due(self, step):
+    def next_due(self, step, now=False):
         """The first step after `step` at which a log, an eval or a save falls due, or max_steps
-        ends the run (an epoch's end the loop knows): no step before it needs more than its call."""
-        return min([(step // every + 1) * every for every in self.every.values() if every]
-                   + [self.max_steps or math.inf])
+        ends the run (an epoch's end the loop knows): no step before it needs more than its call.
+        `now`: the next (a log point's read pending; a stop or save that a save's hooks asked)."""
+        return step + 1 if now else min(
+            [(step // every + 1) * every for every in self.every.values() if every]
+            + [self.max_steps or math.inf])
 
     def eval_at_epoch_end(self, epochs_done, last):
         epoch_due = not self.every["eval"] and epochs_done % self.eval_freq == 0
