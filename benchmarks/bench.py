@@ -55,6 +55,18 @@ rewritten (see ABLATIONS: the stubs were written against b603621's fit.py, and a
 the measured fit.py lacks fails the run), alternating as above; it reports the speedup and the
 microseconds a step that each part costs.
 
+The accelerator table (#28 item 5; `--accelerator`, meant for a GPU, runs on any backend; set
+JAX_PLATFORMS=cuda there; benchmarks/gpu.sh is the whole device command) adds a 2-layer, 256-wide
+causal transformer (`transformer`: 128 tokens, batch 32, float32) and runs, per repeat and model,
+`--accel-methods` in a rotating order: hand, fit, fit_cond (fit with the log steps' norms under a
+lax.cond, as before #28), fit_nothrottle (the host never waits for the device), fit_hostput (numpy
+batches handed to jit as they are, whatever the device) and fit_both, plus fit_before, another
+fit.py (`--before`, on `--before-models`); `--accel-data device` gives both loops jax.Arrays.
+Before them a dispatch test (200 calls of a jitted step with and without a lax.cond: how long a
+call takes to return against the wall time) and, with `--put-test`, the host's time to place one
+tiny-MLP batch each way. Writes accelerator.json and .md after every run (a run cut short by its
+time limit keeps what it did), and the XLA donation warnings the runs printed.
+
 Writes benchmarks/results/latest.json and latest.md (quick.json and quick.md with --quick). The
 machine's load average is recorded at the start and end: on a shared machine the spread of the
 hand loop's own repeats (shown as min–max) says how much to trust a ratio.
@@ -76,6 +88,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BATCH = 128
+BATCHES = {"transformer": 32}  # the causal transformer's batch: 32 sequences of 128 tokens
 K = 10  # steps per jitted call for hand_scan and fit_scan (2 with --quick: a 10-step unrolled
         # convolutional scan took 10-30 s to compile here, too long for a smoke test)
 WHOLE_EPOCHS = 5
@@ -88,9 +101,14 @@ WHOLE = {"cnn": (25, WHOLE_TEST_SIZE), "cnn_bn_dropout": (25, WHOLE_TEST_SIZE), 
 # The convolutional models run ~3-8 steps/s on 2 CPU cores (and take 2-30 s to compile); the
 # MLP is dispatch-bound, so it gets MNIST-sized epochs (470 batches of 128 = 60160 examples) and
 # many more steps.
-DEFAULTS = {"cnn": (60, 30), "cnn_bn_dropout": (60, 30), "mlp": (4700, 470)}
-QUICK = {"cnn": (8, 4), "cnn_bn_dropout": (8, 4), "mlp": (200, 100)}
-LABELS = {"cnn": "CNN", "cnn_bn_dropout": "CNN-BN-Dropout", "mlp": "tiny MLP"}
+DEFAULTS = {"cnn": (60, 30), "cnn_bn_dropout": (60, 30), "mlp": (4700, 470),
+            "transformer": (20, 10)}
+QUICK = {"cnn": (8, 4), "cnn_bn_dropout": (8, 4), "mlp": (200, 100), "transformer": (4, 2)}
+# --accelerator's steady runs (steps, steps per epoch): ~0.1-1 s of steps each on a GPU.
+ACCEL = {"mlp": (2000, 250), "cnn": (1000, 250), "transformer": (1000, 250),
+         "cnn_bn_dropout": (1000, 250)}
+LABELS = {"cnn": "CNN", "cnn_bn_dropout": "CNN-BN-Dropout", "mlp": "tiny MLP",
+          "transformer": "transformer"}
 PAIRS = (("hand", "fit"), ("hand_scan", "fit_scan"))
 
 # Targets: (what, threshold, direction). Ratios are fit / hand (steps/s, RSS, compile) and
@@ -189,12 +207,32 @@ def _models():
         def __call__(self, x, train):
             return nn.Dense(10)(nn.relu(nn.Dense(32)(x.reshape(x.shape[0], -1))))
 
-    return {"cnn": CNN(), "cnn_bn_dropout": CNN(bn_dropout=True), "mlp": MLP()}
+    class Transformer(nn.Module):  # 2 pre-LayerNorm blocks, 256 wide, 4 heads, causal, float32
+        @nn.compact
+        def __call__(self, tokens, train):
+            x = nn.Embed(VOCAB, 256)(tokens) + self.param(
+                "position", nn.initializers.normal(0.02), (tokens.shape[1], 256))
+            mask = nn.make_causal_mask(tokens)
+            for _ in range(2):
+                h = nn.LayerNorm()(x)
+                x = x + nn.MultiHeadDotProductAttention(num_heads=4)(h, h, mask=mask)
+                x = x + nn.Dense(256)(nn.gelu(nn.Dense(1024)(nn.LayerNorm()(x))))
+            return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+    return {"cnn": CNN(), "cnn_bn_dropout": CNN(bn_dropout=True), "mlp": MLP(),
+            "transformer": Transformer()}
 
 
-def _data(n, seed):
+VOCAB, LENGTH = 256, 128  # the transformer's byte-sized vocabulary and sequence length
+
+
+def _data(n, seed, model="mlp"):
+    """MNIST-shaped images and labels; for the transformer, token sequences and the next tokens."""
     import numpy as np
     rng = np.random.default_rng(seed)
+    if model == "transformer":
+        tokens = rng.integers(0, VOCAB, (n, LENGTH + 1)).astype(np.int32)
+        return tokens[:, :-1], tokens[:, 1:]
     x = rng.random((n, 28, 28, 1), dtype=np.float32)
     y = rng.integers(0, 10, n).astype(np.int32)
     return x, y
@@ -218,13 +256,20 @@ def worker(spec):
     import jax
     import optax
 
+    if spec["method"] in ("dispatch", "put"):
+        out = (_dispatch if spec["method"] == "dispatch" else _put_test)(spec)
+        out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return out
     model = _models()[spec["model"]]
     spe, epochs, method = spec["steps_per_epoch"], spec["epochs"], spec["method"]
-    x, y = _data(spe * BATCH, seed=0)
+    n = BATCHES.get(spec["model"], BATCH)
+    x, y = _data(spe * n, 0, spec["model"])
     if spec.get("data") == "list":  # the same numpy batches, in the same order, every epoch
-        x = [(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH]) for i in range(spe)]
+        x = [(x[i * n:(i + 1) * n], y[i * n:(i + 1) * n]) for i in range(spe)]
         y = None
-    test = _data(spec["test_size"], seed=1) if spec["test_size"] else None
+    if spec.get("data") == "device":  # jax.Arrays on the default device, gathered there
+        x, y = jax.device_put(x), jax.device_put(y)
+    test = _data(spec["test_size"], 1, spec["model"]) if spec["test_size"] else None
     # Jitted: one compile instead of one per op (eager init of the CNN took ~4 s here).
     x0 = x[0][0][:1] if y is None else x[:1]
     variables = jax.jit(model.init, static_argnames="train")(jax.random.key(0), x0, train=False)
@@ -241,6 +286,7 @@ def worker(spec):
 
 def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
     import jax
+    import numpy as np
     fit_dir = spec["fit_dir"]  # the snapshot of fit.py taken when the benchmark began
     if spec.get("ablate"):  # that fit.py with some per-step parts stubbed (ABLATIONS)
         with open(os.path.join(fit_dir, "fit.py")) as f:
@@ -256,6 +302,15 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
     if spec["method"] == "fit_nonorm":  # grad_norm and param_norm off: what do they cost?
         import jax.numpy as jnp
         sys.modules["fit"]._log_norm = lambda state, opts, tree: jnp.float32(0)
+    if spec["method"] == "fit_cond":  # the log steps' norms under a lax.cond on every platform,
+        sys.modules["fit"]._NO_COND = ()  # as before #28's item 4
+    if spec["method"] in ("fit_nothrottle", "fit_both"):  # the host never waits for the device
+        sys.modules["fit"]._AHEAD = 10 ** 9
+    if spec["method"] in ("fit_hostput", "fit_both"):  # numpy batches handed to jit as they are
+        put = sys.modules["fit"]._putter            # (as on one CPU device), device data placed
+        sys.modules["fit"]._putter = lambda mesh, axis: (
+            lambda batch, stacked=False: batch if all(isinstance(a, np.ndarray) for a in
+                                                      jax.tree.leaves(batch)) else put(mesh, axis)(batch, stacked))
     workdir = spec["workdir"]
     marks = []  # (step, host thread CPU s, process CPU s) at each log point: the steady window
 
@@ -265,7 +320,8 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
     t0 = time.perf_counter()
     state, history = fit(state, x if y is None else (x, y), test, loss_fn=_loss_fn,
                          eval_step=_eval_step if test else None, num_epochs=epochs,
-                         batch_size=None if y is None else BATCH, workdir=workdir,
+                         batch_size=None if y is None else BATCHES.get(spec["model"], BATCH),
+                         workdir=workdir,
                          log_name="bench", hooks=[mark],
                          steps_per_jit=spec["k"] if spec["method"] == "fit_scan" else 1)
     jax.block_until_ready(state)
@@ -322,16 +378,20 @@ def _run_hand(spec, model, params, batch_stats, tx, x, y, test, epochs):
         return correct + _eval_step(state, batch) * batch[0].shape[0]
     eval_fn = jax.jit(eval_sum)
 
+    n = BATCHES.get(spec["model"], BATCH)
+
     def batches(epoch):  # arrays: a permutation per epoch, gathered per step; a list as it is
         if y is None:
             yield from x
             return
         order = np.random.default_rng([0, epoch]).permutation(len(x))
-        for i in range(0, len(x) // BATCH, k):
-            idx = order[i * BATCH:(i + k) * BATCH]
+        if isinstance(x, jax.Array):
+            order = jax.device_put(order)
+        for i in range(0, len(x) // n, k):
+            idx = order[i * n:(i + k) * n]
             batch = (x[idx], y[idx])
             if k > 1:
-                batch = (batch[0].reshape(k, BATCH, *x.shape[1:]), batch[1].reshape(k, BATCH))
+                batch = (batch[0].reshape(k, n, *x.shape[1:]), batch[1].reshape(k, n, *y.shape[1:]))
             yield batch
 
     accuracies, compile_s, marks = [], None, []
@@ -346,17 +406,91 @@ def _run_hand(spec, model, params, batch_stats, tx, x, y, test, epochs):
                 marks.append((k, time.thread_time(), time.process_time()))
         if test is not None:  # the same evals as fit: the whole test set, read once per epoch
             correct = jnp.float32(0)
-            for j in range(0, len(test[0]), BATCH):
-                correct = eval_fn(state, correct, (test[0][j:j + BATCH], test[1][j:j + BATCH]))
+            for j in range(0, len(test[0]), n):
+                correct = eval_fn(state, correct, (test[0][j:j + n], test[1][j:j + n]))
             accuracies.append(float(correct) / len(test[0]))
     jax.block_until_ready(state)
     t2 = time.perf_counter()
-    steps = epochs * (len(x) if y is None else len(x) // BATCH)
+    steps = epochs * (len(x) if y is None else len(x) // n)
     marks.append((steps, time.thread_time(), time.process_time()))
     return {"steady_steps_per_s": (steps - k) / (t2 - t1) if steps > k else None,
             "compile_s": compile_s, "wall_s": t2 - t0, "steps": steps, "save_ms": None,
             **_cpu_per_step(marks),
             "eval": accuracies or None}
+
+
+def _dispatch(spec):
+    """#28's dispatch test: `calls` calls of a jitted step (4 float32 matmuls of `size` squared
+    (2048; 256 with --quick), the state donated, its step count on the device) whose norm is computed every step or under a
+    lax.cond at every 10th; how long each call takes to return against the wall time of them all.
+    Where a conditional blocks the host until the device is done, each call with the cond returns
+    only after its step ran, so the host cannot run ahead."""
+    import functools
+    import jax
+    import jax.numpy as jnp
+    n = spec["size"]
+    x = jax.random.normal(jax.random.key(0), (n, n), jnp.float32) / n ** 0.5
+
+    def step(state, with_cond):
+        w, i = state
+        for _ in range(4):
+            w = jnp.tanh(x @ w)
+        norm = (jax.lax.cond(i % 10 == 0, jnp.linalg.norm, lambda w: jnp.float32(0), w)
+                if with_cond else jnp.linalg.norm(w))
+        return (w, i + 1), norm
+
+    out = {"device": str(jax.devices()[0]), "calls": spec["calls"], "size": n}
+    for with_cond in (False, True, False, True):  # each twice, alternating; the second is kept
+        f = jax.jit(functools.partial(step, with_cond=with_cond), donate_argnums=0)
+        state, _ = f((x + 0, jnp.int32(0)))
+        jax.block_until_ready(state)
+        returns = []
+        t0 = time.perf_counter()
+        for _ in range(spec["calls"]):
+            t = time.perf_counter()
+            state, norm = f(state)
+            returns.append(time.perf_counter() - t)
+        dispatched = time.perf_counter() - t0
+        jax.block_until_ready(state)
+        wall = time.perf_counter() - t0
+        out["cond" if with_cond else "plain"] = {
+            "return_us_median": 1e6 * statistics.median(returns),
+            "return_us_mean": 1e6 * statistics.fmean(returns),
+            "return_us_first20": 1e6 * statistics.median(returns[:20]),
+            "dispatched_s": dispatched, "wall_s": wall,
+            "wall_us_per_call": 1e6 * wall / spec["calls"]}
+    out["steady_steps_per_s"], out["compile_s"], out["wall_s"] = None, 0.0, out["cond"]["wall_s"]
+    return out
+
+
+def _put_test(spec):
+    """The host's time to place one tiny-MLP batch (128x28x28x1 float32, 128 int32), `calls`
+    times, each way fit or a hand loop might: numpy to a jitted call, or jax.device_put first."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    x, y = _data(BATCH, 0)
+    batch = (x, y)
+    f = jax.jit(lambda b: b[0].sum() + b[1].sum())
+    one = NamedSharding(Mesh(np.array(jax.devices()[:1]), ("data",)), P())
+    ways = {"jit(numpy)": lambda: f(batch),
+            "jit(device_put(named))": lambda: f(jax.device_put(batch, one)),
+            "jit(device_put(device))": lambda: f(jax.device_put(batch, jax.devices()[0])),
+            "device_put(named)": lambda: jax.device_put(batch, one),
+            "jit(device array)": lambda: f(xd)}
+    xd = jax.device_put(batch)
+    out = {"device": str(jax.devices()[0]), "calls": spec["calls"]}
+    for _ in range(2):  # the second round is kept
+        for name, way in ways.items():
+            jax.block_until_ready(way())
+            t0 = time.perf_counter()
+            results = [way() for _ in range(spec["calls"])]
+            host = time.perf_counter() - t0
+            jax.block_until_ready(results)
+            out[name] = {"host_us": 1e6 * host / spec["calls"],
+                         "wall_us": 1e6 * (time.perf_counter() - t0) / spec["calls"]}
+    out["steady_steps_per_s"], out["compile_s"], out["wall_s"] = None, 0.0, 0.0
+    return out
 
 
 def _cpu_per_step(marks):
@@ -395,6 +529,8 @@ def run_one(spec, log_dir):
                                f"{proc.returncode}; its log ({log_path}) ends:\n{tail}")
         with open(out_path) as f:
             result = json.load(f)
+        with open(log_path) as f:  # e.g. XLA's "Some donated buffers were not usable"
+            result["warnings"] = sorted({line.strip()[:300] for line in f if "donat" in line})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["process_s"] = time.perf_counter() - t
@@ -462,8 +598,9 @@ def _cpu_name():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(DEFAULTS),
-                        help=f"comma-separated, from {','.join(DEFAULTS)} (default: all)")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated, from {','.join(DEFAULTS)} (default: all but the "
+                             "transformer; with --accelerator: mlp,cnn,transformer)")
     parser.add_argument("--steps", type=int, default=None,
                         help="train steps of each steady run, all models (a multiple of 10; "
                              "default per model: " + ", ".join(f"{m} {s}" for m, (s, _) in DEFAULTS.items()) + ")")
@@ -497,6 +634,26 @@ def main(argv=None):
     parser.add_argument("--fit", default=os.path.join(ROOT, "fit.py"),
                         help="the fit.py to measure (default: the repo's); it is copied when the "
                              "benchmark starts, so edits during a run do not mix versions")
+    parser.add_argument("--accelerator", action="store_true",
+                        help="#28's table for a GPU (any backend runs it): the dispatch test, then "
+                             "per model hand, fit and fit_cond (fit with the log steps' norms "
+                             "under a lax.cond, as before #28) and fit_before (--before), arrays, "
+                             f"steps per model {', '.join(f'{m} {s}' for m, (s, _) in ACCEL.items())}"
+                             "; writes accelerator.json and .md after every run")
+    parser.add_argument("--before", default=None,
+                        help="with --accelerator: an older fit.py measured as fit_before")
+    parser.add_argument("--accel-methods", default="hand,fit,fit_cond",
+                        help="with --accelerator: from hand, fit, fit_cond, fit_nothrottle (no "
+                             "wait for the device), fit_hostput (numpy batches to jit as they "
+                             "are), fit_both")
+    parser.add_argument("--no-dispatch", dest="dispatch", action="store_false",
+                        help="with --accelerator: skip the dispatch test")
+    parser.add_argument("--put-test", action="store_true",
+                        help="with --accelerator: time placing one batch by jit, device_put")
+    parser.add_argument("--accel-data", default="arrays",
+                        help="with --accelerator: arrays (numpy) or device (jax.Arrays)")
+    parser.add_argument("--before-models", default="mlp",
+                        help="with --before: the models fit_before runs on (default: mlp)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"),
                         help="where the results go: latest.json and latest.md (quick.json and "
                              "quick.md with --quick, so a smoke test never overwrites a full run)")
@@ -526,7 +683,8 @@ def main(argv=None):
         print(markdown(report))
         return
 
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    models = [m.strip() for m in (args.models or ("mlp,cnn,transformer" if args.accelerator else
+              "cnn,cnn_bn_dropout,mlp")).split(",") if m.strip()]
     whole_models = [m.strip() for m in args.whole_models.split(",") if m.strip()]
     diff_models = [m.strip() for m in args.diff_models.split(",") if m.strip()]
     diff_epochs = [int(e) for e in args.diff_epochs.split(",")]
@@ -586,6 +744,10 @@ def main(argv=None):
         print(f"{rate or float('nan'):8.2f} steps/s, compile {result['compile_s']:.2f} s, wall "
               f"{result['wall_s']:.1f} s, RSS {result['peak_rss_mb']:.0f} MB", flush=True)
         return result
+
+    if args.accelerator:
+        _accelerator(args, models, repeats, k, fit_dir, log_dir, info, measure, runs)
+        return
 
     # 1. Steady rate, compile time, saves and RSS: per model, pairs alternate within a repeat.
     for model in models:
@@ -668,6 +830,138 @@ def main(argv=None):
     shutil.rmtree(log_dir, ignore_errors=True)
     print(f"bench: wrote {os.path.join(args.out, stem + '.json')} and {stem}.md in "
           f"{info['bench_s']:.0f} s", flush=True)
+
+
+def _accelerator(args, models, repeats, k, fit_dir, log_dir, info, measure, runs):
+    """#28 item 5: the dispatch test, then per repeat and model the methods in a rotating order,
+    the report rewritten after every run (a run cut short by its time limit keeps what it did)."""
+    methods = args.accel_methods.split(",")
+    dirs = dict.fromkeys(methods, fit_dir)
+    if args.before:
+        dirs["fit_before"] = os.path.join(log_dir, "fit_before")
+        os.makedirs(dirs["fit_before"])
+        shutil.copyfile(args.before, os.path.join(dirs["fit_before"], "fit.py"))
+        shutil.copyfile(os.path.abspath(__file__), os.path.join(dirs["fit_before"], "bench.py"))
+        py_compile.compile(os.path.join(dirs["fit_before"], "fit.py"), doraise=True)
+        info["fit_before"] = _fit_version(args.before)
+        methods.append("fit_before")
+    stem = os.path.join(args.out, "accelerator-quick" if args.quick else "accelerator")
+
+    def attempt(spec):
+        try:
+            measure(spec)
+        except Exception as e:  # noqa: BLE001 -- one failed run must not lose the others
+            print(f"FAILED: {str(e)[-2000:]}", flush=True)
+            runs.append({**spec, "error": str(e)[-2000:]})
+        report = accelerator_report(runs, models, methods, info, vars(args))
+        with open(stem + ".json", "w") as f:
+            json.dump(report, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(accelerator_markdown(report))
+        return report
+
+    report = None
+    if args.put_test:
+        report = attempt({"scenario": "put", "model": "mlp", "method": "put", "repeat": 0,
+                          "calls": 500, "fit_dir": fit_dir})
+    if args.dispatch:
+        report = attempt({"scenario": "dispatch", "model": "-", "method": "dispatch", "repeat": 0,
+                          "calls": 200, "size": 256 if args.quick else 2048, "fit_dir": fit_dir})
+    for r in range(repeats):
+        for model in models:
+            steps, spe = (QUICK if args.quick else ACCEL)[model]
+            if args.steps is not None:
+                steps, spe = args.steps, min(spe, args.steps)
+            here = [m for m in methods if m != "fit_before" or model in args.before_models.split(",")]
+            for method in here[r % len(here):] + here[:r % len(here)]:
+                report = attempt({"scenario": "accel", "model": model, "method": method,
+                                  "repeat": r, "steps_per_epoch": spe, "epochs": steps // spe,
+                                  "test_size": 0, "k": k, "data": args.accel_data,
+                                  "fit_dir": dirs[method]})
+    print("\n" + accelerator_markdown(report), flush=True)
+
+
+def accelerator_report(runs, models, methods, info, args):
+    """Per model and method the median steady rate with its min-max, and per method the median
+    of its within-repeat ratios to the hand loop (and fit's to fit_cond)."""
+    def pick(model, method, repeat=None):
+        return [r for r in runs if r["scenario"] == "accel" and r["model"] == model
+                and r["method"] == method and r.get("steady_steps_per_s")
+                and repeat in (None, r["repeat"])]
+
+    def spread(values):
+        values = [v for v in values if v is not None]
+        return [median(values), min(values), max(values)] if values else None
+
+    table = {}
+    for model in models:
+        per = {m: {"steps_per_s": spread([r["steady_steps_per_s"] for r in pick(model, m)]),
+                   "compile_s": median([r["compile_s"] for r in pick(model, m)]),
+                   "host_us_per_step": median([r.get("host_us_per_step") for r in pick(model, m)]),
+                   "warnings": sorted({w for r in pick(model, m) for w in r.get("warnings", [])})}
+               for m in methods}
+        ratios = {}
+        for a, b in [(m, "hand") for m in methods[1:]] + [("fit", "fit_cond")]:
+            ratios[f"{a}/{b}"] = spread([
+                ratio(pick(model, a, rep)[0]["steady_steps_per_s"],
+                      pick(model, b, rep)[0]["steady_steps_per_s"])
+                for rep in {r["repeat"] for r in runs} if pick(model, a, rep) and pick(model, b, rep)])
+        table[model] = {"methods": per, "ratios": ratios}
+    dispatch = next((r for r in runs if r["scenario"] == "dispatch" and "error" not in r), None)
+    return {"machine": info, "args": args, "methods": methods, "models": table,
+            "dispatch": dispatch, "errors": [r["error"] for r in runs if "error" in r], "runs": runs}
+
+
+def accelerator_markdown(report):
+    info, methods = report["machine"], report["methods"]
+    cell = lambda v, d=2: "–" if not v else f"{v[0]:.{d}f} [{v[1]:.{d}f}–{v[2]:.{d}f}]"
+    lines = [f"# fit.py on {info['backend']}: {info['devices']}", "",
+             f"jax {info['jax']}, flax {info['flax']}, optax {info['optax']}, orbax "
+             f"{info['orbax']}; fit.py {info['fit']}" + (f"; fit_before {info['fit_before']}"
+                                                          if "fit_before" in info else ""), "",
+             "Steady steps/s, median [min–max] of the repeats; ratios are medians of within-"
+             "repeat ratios. fit_cond: fit with the log steps' norms under a lax.cond, as before "
+             "#28 item 4. Host us/step: the Python thread's CPU time per step.", "",
+             "| model | " + " | ".join(f"{m} steps/s" for m in methods) + " | "
+             + " | ".join(report["models"][next(iter(report["models"]))]["ratios"]) if
+             report["models"] else "", ]
+    if report["models"]:
+        ratio_names = list(report["models"][next(iter(report["models"]))]["ratios"])
+        lines[-1] += " | compile s (" + ", ".join(methods) + ") | host us/step (" + ", ".join(
+            methods) + ") |"
+        lines.append("|" + " --- |" * (1 + len(methods) + len(ratio_names) + 2))
+        for model, row in report["models"].items():
+            per = row["methods"]
+            lines.append(
+                f"| {_label(model)} | " + " | ".join(cell(per[m]["steps_per_s"], 1) for m in methods)
+                + " | " + " | ".join(cell(row["ratios"][n], 3) for n in ratio_names) + " | "
+                + ", ".join(_f(per[m]["compile_s"]) for m in methods) + " | "
+                + ", ".join(_f(per[m]["host_us_per_step"], 0) for m in methods) + " |")
+        warnings = sorted({w for row in report["models"].values() for m in row["methods"].values()
+                           for w in m["warnings"]})
+        lines += ["", "Donation warnings: " + ("; ".join(warnings) if warnings else "none")]
+    d = report["dispatch"]
+    if d:
+        lines += ["", f"Dispatch test on {d['device']}: {d['calls']} calls of a jitted step "
+                  f"(4 float32 {d['size']}x{d['size']} matmuls), its norm every step or under a lax.cond:", "",
+                  "| step | return from a call, median us | first 20 calls, median us | mean us "
+                  "| all calls dispatched, s | wall, s | wall us per call |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for name in ("plain", "cond"):
+            v = d[name]
+            lines.append(f"| {name} | {v['return_us_median']:.0f} | "
+                         f"{v.get('return_us_first20', float('nan')):.0f} | {v['return_us_mean']:.0f} | "
+                         f"{v['dispatched_s']:.4f} | {v['wall_s']:.4f} | "
+                         f"{v['wall_us_per_call']:.0f} |")
+    p = next((r for r in report["runs"] if r["scenario"] == "put" and "error" not in r), None)
+    if p:
+        lines += ["", f"Placing a tiny-MLP batch on {p['device']}, {p['calls']} times:", "",
+                  "| way | host us per call | wall us per call |", "| --- | --- | --- |"]
+        lines += [f"| {name} | {v['host_us']:.0f} | {v['wall_us']:.0f} |" for name, v in p.items()
+                  if isinstance(v, dict)]
+    if report["errors"]:
+        lines += ["", "Errors:", *[f"- {e.splitlines()[-1] if e else e}" for e in report["errors"]]]
+    return "\n".join(lines) + "\n"
 
 
 def summarize(runs, models, whole, repeats, k, info, args, diff_models=(), data_forms=("arrays",),
