@@ -32,7 +32,7 @@ rngs={"dropout": fold_in(rng, step)})` (another model: `train_step(state, batch[
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
 that order, each opened by a banner comment. The map:
 
-    TrainState, Weighted, lr_schedule  public building blocks
+    TrainState, Weighted, lr_schedule, ema  public building blocks
     Options                            every option, its default and its check
     fit                                the story: check, place, build the steps, open the run, loop
     load_ckpt, evaluate, History       the rest of the public API
@@ -91,7 +91,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import hparams as hparams_summaries, scalar as scalar_summary
 from tqdm.auto import tqdm
 
-__all__ = ["TrainState", "Weighted", "lr_schedule", "Options", "fit", "evaluate", "load_ckpt",
+__all__ = ["TrainState", "Weighted", "lr_schedule", "ema", "Options", "fit", "evaluate", "load_ckpt",
            "History", "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
 
 
@@ -139,6 +139,61 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
                                               end_value)
 
 
+def ema(tx, decay=0.999, warmup=True):
+    """`tx`, then an exponential moving average of the parameters: an optax transformation whose
+    state keeps the average (`fit_ema_params`, laid out like the params), saved, sharded and
+    resumed with the optimizer state. Each update averages the params it produces, `params +
+    updates`, so wrap the whole chain (`ema(optax.chain(clip, adamw))`) and put it inside
+    `optax.MultiSteps` to average once per real update; `update` needs the params (TrainState and
+    nnx.Optimizer pass them). `warmup=True`: the t-th update (t = 0, 1, ...) uses the decay
+    `min(decay, (1 + t) / (10 + t))`, so the random init fades at once (0.1 at the first update);
+    False: `decay` from the start. The average starts as the initial params (the EMA at step 0).
+    fit evaluates it beside the raw weights at every eval (`eval_ema/...`, option `ema_eval`),
+    can keep the best checkpoint by it (`monitor="eval_ema/accuracy"`), and `load_ckpt(...,
+    ema=True)` loads it as the params. (`optax.ema` averages the updates, not the parameters.)"""
+    if not (isinstance(decay, (int, float)) and 0 <= decay < 1):
+        raise ValueError(f"fit.ema: decay must be a number in [0, 1), e.g. 0.999, got {decay!r}.")
+    if not isinstance(warmup, bool):
+        raise TypeError(f"fit.ema: warmup must be True or False, got {warmup!r}.")
+
+    def init(params):
+        return _EmaState(tx.init(params), jnp.zeros([], jnp.int32),
+                         jax.tree.map(lambda p: jnp.array(p, copy=True), params))
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("fit.ema needs the params: call tx.update(grads, opt_state, params).")
+        updates, inner = tx.update(updates, state.inner, params, **extra)
+        t = state.fit_ema_count.astype(jnp.float32)  # (jnp.minimum, not a cond: see _NO_COND)
+        d = jnp.minimum(decay, (1 + t) / (10 + t)) if warmup else jnp.float32(decay)
+        average = lambda e, p: (d * e + (1 - d) * p).astype(e.dtype)
+        new = jax.tree.map(average, state.fit_ema_params, optax.apply_updates(params, updates))
+        return updates, _EmaState(inner, state.fit_ema_count + 1, new)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+# Field names found nowhere else, so that the average is found in any optimizer state (chains,
+# MultiSteps) and in a checkpoint's metadata, which keeps field names, not class names.
+_EmaState = collections.namedtuple("_EmaState", "inner fit_ema_count fit_ema_params")
+
+
+_is_ema = lambda x: isinstance(x, tuple) and hasattr(x, "fit_ema_params")
+
+
+def _ema_params(opt_state):
+    """The EMA's params in an optimizer state, or None; more than one `fit.ema` raises."""
+    found = [x.fit_ema_params for x in jax.tree.leaves(opt_state, is_leaf=_is_ema) if _is_ema(x)]
+    if len(found) > 1:
+        raise ValueError(f"fit: the optimizer holds {len(found)} fit.ema averages; wrap it once.")
+    return found[0] if found else None
+
+
+def _is_eval(monitor):
+    """Whether a metric is an eval's (judged at evals, of one state): `eval/...`, `eval_ema/...`."""
+    return monitor.split("/")[0] in ("eval", "eval_ema")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
     """Every option of `fit` (and the data and placement ones of `evaluate`), checked when built:
@@ -156,11 +211,14 @@ class Options:
     eval_freq=1: epochs between evals; the last epoch always evaluates.
     eval_every: steps between evals, instead of `eval_freq` (the end evaluates too).
     eval_steps: at most this many eval batches.
+    ema_eval=True: with `ema(tx)` as the optimizer, every eval also runs on the average's params
+        (`eval_ema/<metric>`, with the state's BatchNorm statistics as they are); False skips it.
     log_every=50: steps between train logs (bar, TensorBoard, `log` hooks): the interval's means.
     ckpt_interval=300.0: seconds from a save to the next, due at the first log point after.
     ckpt_every: steps between checkpoints, exactly, besides those of `ckpt_interval`.
     max_to_keep=1: best checkpoints kept (by `monitor`), besides the latest.
-    monitor: the best checkpoint's metric; None: `eval/accuracy`, `eval/loss`, ..., `train/loss`.
+    monitor: the best checkpoint's metric; None: `eval/accuracy`, `eval/loss`, ..., `train/loss`;
+        with `ema(tx)` also `eval_ema/<metric>`, the average's.
     mode="auto": "min" or "max"; "auto" reads the monitor's name (loss, accuracy, ...) or raises.
     log_name="run": runs are `<log_name>_<n>`, in `<workdir>/logs/` and `<workdir>/checkpoints/`.
     workdir: where `logs/` and `checkpoints/` go; None: the current directory. No URLs: mount them.
@@ -192,6 +250,7 @@ class Options:
     eval_freq: int = 1
     eval_every: int | None = None
     eval_steps: int | None = None
+    ema_eval: bool = True
     log_every: int = 50
     ckpt_interval: float = 300.0
     ckpt_every: int | None = None
@@ -277,7 +336,8 @@ def fit(state, train_ds, test_ds=None, **options):
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
     steps = _build_steps(state, train, test, _StepConfig.of(opts, forward, eval_step, mesh), mesh)
-    plan = _Plan(opts, train, test, steps.train_names, steps.eval_names)
+    ema = test is not None and opts.ema_eval and _ema_params(state.opt_state) is not None
+    plan = _Plan(opts, train, test, steps.train_names, steps.eval_names, ema)
     verbose = _verbosity(opts.verbose)
     _check_schedule(state, opts, plan.total)
 
@@ -308,7 +368,7 @@ def fit(state, train_ds, test_ds=None, **options):
             ckpts.open()
             run.call("train_start", state, step, epoch)
             meter = _Meter(steps, opts, progress.meter, step)  # its clock starts here
-            evaluate = functools.partial(_evaluate, steps, test, put, meter)
+            evaluate = functools.partial(_evaluations, steps, test, put, meter, plan.ema)
             end_epoch = functools.partial(_end_epoch, run=run, meter=meter, plan=plan,
                                           evaluate=evaluate)
             save = functools.partial(_save, base=base, run=run, meter=meter, ckpts=ckpts,
@@ -357,21 +417,29 @@ def fit(state, train_ds, test_ds=None, **options):
 
 # -- The rest of the public API: restoring, evaluating, the history ----------------------------
 
-def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
+def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, ema=False):
     """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`).
     `step`: a step number, `"last"`/`None` or `"best"` (the best the latest checkpoint knows).
     `state` gives the structure, shapes and shardings (build it as for training), not values. An
     nnx model (with its `optimizer=`) is restored in place. `weights_only=True`: only `params` and
     `batch_stats`, into a state with another optimizer (to fine-tune) or none; the rest of `state`
-    stays as it is. Checkpoints are plain orbax ones, with items `state` and `meta` (JSON)."""
+    stays as it is. `ema=True`: the params are the run's `ema` average at that step (for "best",
+    the average of the best step, whichever metric chose it), for inference or fine-tuning;
+    without `weights_only`, `state`'s optimizer must be the run's. Checkpoints are plain orbax
+    ones, with items `state` and `meta` (JSON)."""
     if _is_nnx(state):
         who = "load_ckpt" if optimizer or not weights_only else "evaluate"  # (no optimizer)
         adapted, _, _, finish = _nnx_adapter(state, optimizer, who=who)
-        return finish(load_ckpt(adapted, ckpt_dir, step, weights_only=weights_only))
+        return finish(load_ckpt(adapted, ckpt_dir, step, weights_only=weights_only, ema=ema))
     if optimizer is not None:
         raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its tx.")
-    if not isinstance(weights_only, bool):
-        raise TypeError(f"load_ckpt: weights_only must be True or False, got {weights_only!r}.")
+    for name, value in (("weights_only", weights_only), ("ema", ema)):
+        if not isinstance(value, bool):
+            raise TypeError(f"load_ckpt: {name} must be True or False, got {value!r}.")
+    if ema and not weights_only and _ema_params(getattr(state, "opt_state", None)) is None:
+        raise ValueError("load_ckpt: ema=True restores the whole state, so its optimizer must be "
+                         "the run's, with fit.ema(tx); to load the average into a state with "
+                         "another optimizer or none, pass weights_only=True.")
     ckpt_dir = os.path.abspath(os.path.expanduser(ckpt_dir))
     if not os.path.isdir(ckpt_dir):
         raise FileNotFoundError(f"load_ckpt: no checkpoint directory at {ckpt_dir}.")
@@ -393,7 +461,7 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False):
         placed = _place_state(state, 0, replicated)
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
-        restored = _restore(mgr, step, placed, "load_ckpt", weights_only)[0]
+        restored = _restore(mgr, step, placed, "load_ckpt", weights_only, ema)[0]
         if weights_only and hasattr(state, "rng"):  # (placing filled a None rng, from seed 0)
             restored = restored.replace(rng=state.rng)
         return restored
@@ -432,11 +500,11 @@ def evaluate(state, ds, eval_step=None, **options):
 
 class History(dict):
     """`fit`'s history of the whole run, resumes too: lists of `epoch`, `step`, `train/<metric>`
-    (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` per eval, and `stopped` (why a
-    run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`: `compile_s`, `eval_s`,
-    `save_s`, `finish_s` (the last save's commit), `close_s` (hooks' train_end, closing files),
-    `data_s` (fetching batches), their `*_count` (not data's), `steps`, `steady_steps_per_s`
-    (without compiles, evals, saves, the commit and the closing), `wall_s`."""
+    (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` (and `eval_ema/...`) per eval,
+    and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`:
+    `compile_s`, `eval_s`, `save_s`, `finish_s` (the last save's commit), `close_s` (hooks'
+    train_end, closing files), `data_s` (fetching batches), their `*_count` (not data's), `steps`,
+    `steady_steps_per_s` (without compiles, evals, saves, the commit and the closing), `wall_s`."""
     run = log_dir = ckpt_dir = timing = None
 
 
@@ -587,7 +655,7 @@ class TensorBoard:
                 values = [Summary.Value(tag=self._tag(k), simple_value=float(v))
                           for k, v in run.metrics.items()]
                 self.writer.file_writer.add_summary(Summary(value=values), run.step)
-            tracked = "eval" if run.monitor.startswith("eval/") else "epoch_end"
+            tracked = "eval" if _is_eval(run.monitor) else "epoch_end"
             if event == tracked and run.best is not None:
                 self.writer.add_scalar(f"best/{run.monitor}", run.best, run.step)
             # On disk before each checkpoint (a resume does not log those steps again), and every
@@ -664,9 +732,8 @@ class _Run:
         for name, value in [*items, *row.items()]:
             self.history.setdefault(name, []).append(value)
 
-    def evaluate(self, state, step, epoch, results):
+    def evaluate(self, state, step, epoch, metrics):
         self.last_eval = step
-        metrics = {f"eval/{k}": v for k, v in results.items()}
         self.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
         self.save = self.best_of.track(metrics, step) or self.save
         self.call("eval", state, step, epoch, metrics=metrics)
@@ -711,14 +778,14 @@ class _Best:
         # A tie moves the best to the later step: orbax's BestN keeps the later of equal ones.
         if self.value is None or self.better(value, self.value):
             self.value, self.step = value, step
-        return self.monitor.startswith("eval/") and (
+        return _is_eval(self.monitor) and (
             len(self.top) < self.max_to_keep or self.better(value, self.top[-1]))
 
     def rank(self, step):
         """The monitored value to rank a checkpoint of `step` by (an eval's only if it judged this
         very state), recorded among the kept best; None: it is kept as the last, not a best."""
         value, at = self.seen
-        if value is None or (self.monitor.startswith("eval/") and at != step):
+        if value is None or (_is_eval(self.monitor) and at != step):
             return None
         self.top = sorted(self.top + [value], reverse=self.mode == "max")[:self.max_to_keep]
         return value
@@ -814,6 +881,15 @@ def _save(state, step, epoch, position, *, base, run, meter, ckpts, verbose):
     if run.stopping in _SIGNALS:
         _say(verbose, f"fit: stopped by {run.stopping} at step {step}; checkpoint saved, "
                       f"continue with resume=True.")
+
+
+def _evaluations(steps, test, put, meter, ema, state):
+    """An eval's metrics, `eval/<name>`; with `ema`, those of the EMA's params, `eval_ema/<name>`."""
+    out = {f"eval/{k}": v for k, v in _evaluate(steps, test, put, meter, state).items()}
+    if ema:
+        averaged = state.replace(params=_ema_params(state.opt_state))
+        out |= {f"eval_ema/{k}": v for k, v in _evaluate(steps, test, put, meter, averaged).items()}
+    return out
 
 
 def _evaluate(steps, test, put, meter, state):
@@ -1116,15 +1192,16 @@ def _putter(mesh, data_axis):
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
 
-    def __init__(self, opts, train, test, train_names, eval_names):
+    def __init__(self, opts, train, test, train_names, eval_names, ema=False):
         self.num_epochs, self.max_steps = opts.num_epochs, opts.max_steps
         self.steps_per_epoch = opts.steps_per_epoch or train.length
         planned = self.steps_per_epoch and self.steps_per_epoch * opts.num_epochs
         self.total = min([n for n in (planned, opts.max_steps) if n], default=None)
         self.every = {"log": opts.log_every, "ckpt": opts.ckpt_every,
                       "eval": opts.eval_every if test is not None else None}
-        self.eval_freq, self.has_test = opts.eval_freq, test is not None
-        self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, train_names, eval_names)
+        self.eval_freq, self.has_test, self.ema = opts.eval_freq, test is not None, ema
+        self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, train_names, eval_names,
+                                                ema)
         self._check_one_shot(train, test, opts)
 
     def due(self, name, step, k=1):
@@ -1162,8 +1239,9 @@ class _Plan:
                              f"a re-iterable (a list, a loader, arrays (x, y) with batch_size=).")
 
 
-def _pick_monitor(monitor, mode, train_names, eval_names):
-    names = [f"train/{n}" for n in train_names] + [f"eval/{n}" for n in eval_names]
+def _pick_monitor(monitor, mode, train_names, eval_names, ema=False):
+    names = [f"{part}/{n}" for part, part_names in (("train", train_names), ("eval", eval_names),
+             ("eval_ema", eval_names if ema else [])) for n in part_names]
     if monitor is None:  # accuracy, else a loss, else the first eval metric, else the train loss
         preferred = [n for n in ("accuracy", "loss") if n in eval_names] + eval_names
         monitor = f"eval/{preferred[0]}" if preferred else "train/loss"
@@ -1914,9 +1992,9 @@ def _open(ckpt_dir, options):
     return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
 
 
-def _restore(mgr, step, state, who, weights_only=False):
+def _restore(mgr, step, state, who, weights_only=False, ema=False):
     """`(state, meta)` of `step`, into `state`'s structure, shapes, shardings (`weights_only`: its
-    `params` and `batch_stats`, into a state with any optimizer)."""
+    `params` and `batch_stats`, into a state with any optimizer; `ema`: the average as params)."""
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           _key_data(state))
     # Compare first: orbax's own errors do not name the parameter whose shape differs.
@@ -1929,8 +2007,21 @@ def _restore(mgr, step, state, who, weights_only=False):
         stored, wanted = shapes(metadata), shapes(target)
         if not stored:
             raise ValueError("the state's metadata (state/_METADATA) is missing or empty")
+        keys = lambda path: [_key(k) for k in path]  # (the average's path, where one is)
+        found = {tuple(p[:keys(p).index("fit_ema_params") + 1]) for p, _ in
+                 jax.tree_util.tree_leaves_with_path(metadata.tree) if "fit_ema_params" in keys(p)}
     except Exception as e:
         raise _unrestorable(mgr, step, e, who) from None
+    if ema and len(found) != 1:
+        raise ValueError(f"{who}: ema=True, but the checkpoint at step {step} in {mgr.directory} "
+                         f"holds no fit.ema average: its run's optimizer was not wrapped in "
+                         f"fit.ema(tx). Load it without ema=True.")
+    ema_path = found.pop() if ema else None
+    if ema_path and weights_only:  # the average's shapes are compared with the params'
+        stored = {k: v for k, v in stored.items() if not k.startswith("params/")} | {
+            f"params/{k.removeprefix(name(ema_path) + '/')}": tuple(x.shape) for k, x in (
+                (name(p), x) for p, x in jax.tree_util.tree_leaves_with_path(metadata.tree))
+            if k.startswith(name(ema_path) + "/")}
     problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
                 + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
                 + [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
@@ -1950,9 +2041,14 @@ def _restore(mgr, step, state, who, weights_only=False):
                              metadata.tree, is_leaf=lambda x: hasattr(x, "shape"))
         weights = {k: getattr(target, k) for k in ("params", "batch_stats")
                    if k in saved and hasattr(target, k)}
+        saved = {**saved, **weights}
+        if ema_path:  # the average restored where the params are placed, the params dropped
+            saved = _set_in(saved, ema_path, weights.pop("params"))
         with _restoring(mgr, step, who):
             out = mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore({**saved, **weights})))["state"]
+                state=ocp.args.StandardRestore(saved)))["state"]
+        if ema_path:
+            out, weights["params"] = {**out, "params": _get_in(out, ema_path)}, None
         return state.replace(**{k: jax.tree.map(as_before, out[k], getattr(state, k))
                                 for k in weights}), None
     with _restoring(mgr, step, who):
@@ -1960,7 +2056,33 @@ def _restore(mgr, step, state, who, weights_only=False):
                                                         meta=ocp.args.JsonRestore()))
         if not (isinstance(out["meta"], dict) and "epoch" in out["meta"]):
             raise ValueError(f"its meta item holds {str(out['meta'])[:80]}")
-    return jax.tree.map(as_before, out["state"], state), out["meta"]
+    restored = jax.tree.map(as_before, out["state"], state)
+    if ema_path:
+        restored = restored.replace(params=_ema_params(restored.opt_state))
+    return restored, out["meta"]
+
+
+def _key(key):
+    """A tree_util path entry's dict key, index or attribute name."""
+    return getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))
+
+
+def _get_in(tree, path):
+    for key in path:
+        tree = tree[_key(key)]
+    return tree
+
+
+def _set_in(tree, path, value):
+    """`tree` (nested dicts and sequences) with `value` at `path` (tree_util keys)."""
+    if not path:
+        return value
+    k = _key(path[0])
+    if isinstance(tree, dict):
+        return {**tree, k: _set_in(tree[k], path[1:], value)}
+    items = list(tree)
+    items[k] = _set_in(items[k], path[1:], value)
+    return type(tree)(items)
 
 
 @contextlib.contextmanager
@@ -2316,7 +2438,8 @@ _RULES = {  # option: (error, is a value valid?, what it must be); None passes i
                "True, False or the name of a run"),
     "batch_keys": (ValueError, lambda v: isinstance(v, (tuple, list)) and len(v) == 2,
                    "a pair (inputs_key, targets_key)"),
-    "tensorboard": (TypeError, lambda v: isinstance(v, bool), "True or False"),
+    **dict.fromkeys(("tensorboard", "ema_eval"), (TypeError, lambda v: isinstance(v, bool),
+                                                  "True or False")),
     "workdir": (ValueError, lambda v: isinstance(v, (str, os.PathLike)) and not re.match(
         r"[a-zA-Z][\w+.-]*://", str(v)), "a local directory (URLs such as gs://... are not "
                 "supported: use a mounted path)"),
@@ -2336,8 +2459,9 @@ def _state_shardings(state, opts, mesh):
     it, of PartitionSpecs or shardings, as your own jax.jit takes, e.g. from
     `flax.linen.get_partition_spec`) over `mesh`; else a leaf's own over `mesh`; else replicated."""
     if opts.state_sharding is None:
-        return jax.tree.map(lambda x: x.sharding if _split(x) and x.sharding.mesh == mesh
-                            else NamedSharding(mesh, P()), state)
+        return _ema_as_params(jax.tree.map(lambda x: x.sharding if _split(x) and
+                                           x.sharding.mesh == mesh else NamedSharding(mesh, P()),
+                                           state))
     state_sharding = opts.state_sharding
     tree = state_sharding(state) if callable(state_sharding) else state_sharding
     is_leaf = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))
@@ -2350,7 +2474,16 @@ def _state_shardings(state, opts, mesh):
                          f"it) of PartitionSpecs or shardings: {e}") from None
     if jax.tree.structure(shardings) != jax.tree.structure(state):  # (a prefix of the state)
         return shardings
-    return jax.tree_util.tree_map_with_path(functools.partial(_on_mesh, mesh), state, shardings)
+    return _ema_as_params(jax.tree_util.tree_map_with_path(functools.partial(_on_mesh, mesh),
+                                                           state, shardings))
+
+
+def _ema_as_params(shardings):
+    """The state's shardings with an `ema` average's leaves placed as the params are."""
+    if not hasattr(shardings, "opt_state") or not hasattr(shardings, "params"):
+        return shardings
+    like = lambda x: x._replace(fit_ema_params=shardings.params) if _is_ema(x) else x
+    return shardings.replace(opt_state=jax.tree.map(like, shardings.opt_state, is_leaf=_is_ema))
 
 
 def _on_mesh(mesh, path, x, sharding):

@@ -2,7 +2,7 @@
 
     python tests/_child.py MODE WORKDIR OUT_JSON
 
-MODE is `kill` (the SIGKILL/resume run), `sigterm` (a run the parent sends SIGTERM) or `flat`
+MODE is `kill` (the SIGKILL/resume run; `ema`: the same with fit.ema), `sigterm` (a run the parent sends SIGTERM) or `flat`
 (a long run that records its memory and compilations each epoch). Every launch of a mode runs
 the same command with `resume=True`, so a relaunch after a kill picks the run up. The parent
 gives the child `XLA_FLAGS=` (empty): one CPU device, which starts faster than eight.
@@ -30,6 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import fit as fit_module  # noqa: E402
 from fit import TrainState, fit  # noqa: E402
 
 
@@ -87,11 +88,15 @@ def history_json(history):
     return {k: v for k, v in history.items()}
 
 
-def kill_mode(workdir, out):
+def kill_mode(workdir, out, ema=False):
     # 20 batches of 32 per epoch, 4 epochs; a checkpoint every 3 steps and at each epoch end, an
     # eval each epoch, train logs every 2 steps. Array data: fit shuffles per (seed, epoch).
+    # `ema`: the optimizer wrapped in fit.ema, evaluated beside the raw weights.
     x, y, xt, yt = make_data(640, 128)
     state = make_state(hidden=512)
+    if ema:
+        state = state.replace(tx=fit_module.ema(state.tx, decay=0.9))
+        state = state.replace(opt_state=state.tx.init(state.params))
     say("READY")
     state, history = fit(state, (x, y), (xt, yt), loss_fn=loss_fn, eval_step=eval_step,
                          batch_size=32, num_epochs=4, ckpt_every=3, log_every=2, resume=True,
@@ -198,4 +203,5 @@ def flat_mode(workdir, out):
 
 if __name__ == "__main__":
     mode, workdir, out = sys.argv[1:4]
-    {"kill": kill_mode, "sigterm": sigterm_mode, "flat": flat_mode}[mode](workdir, out)
+    {"kill": kill_mode, "ema": lambda w, o: kill_mode(w, o, ema=True), "sigterm": sigterm_mode,
+     "flat": flat_mode}[mode](workdir, out)
