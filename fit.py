@@ -2007,21 +2007,28 @@ def _restore(mgr, step, state, who, weights_only=False, ema=False):
         stored, wanted = shapes(metadata), shapes(target)
         if not stored:
             raise ValueError("the state's metadata (state/_METADATA) is missing or empty")
-        keys = lambda path: [_key(k) for k in path]  # (the average's path, where one is)
-        found = {tuple(p[:keys(p).index("fit_ema_params") + 1]) for p, _ in
-                 jax.tree_util.tree_leaves_with_path(metadata.tree) if "fit_ema_params" in keys(p)}
+        every = {name(p): tuple(x.shape) for p, x in  # (every leaf: where the average is)
+                 jax.tree_util.tree_leaves_with_path(metadata.tree, is_leaf=_is_array_like)}
     except Exception as e:
         raise _unrestorable(mgr, step, e, who) from None
-    if ema and len(found) != 1:
+    averages = {k[:k.index("fit_ema_params") + 14] for k in every if "fit_ema_params" in k}
+    if ema and len(averages) != 1:
         raise ValueError(f"{who}: ema=True, but the checkpoint at step {step} in {mgr.directory} "
                          f"holds no fit.ema average: its run's optimizer was not wrapped in "
                          f"fit.ema(tx). Load it without ema=True.")
-    ema_path = found.pop() if ema else None
-    if ema_path and weights_only:  # the average's shapes are compared with the params'
-        stored = {k: v for k, v in stored.items() if not k.startswith("params/")} | {
-            f"params/{k.removeprefix(name(ema_path) + '/')}": tuple(x.shape) for k, x in (
-                (name(p), x) for p, x in jax.tree_util.tree_leaves_with_path(metadata.tree))
-            if k.startswith(name(ema_path) + "/")}
+    # Weights only: each of the state's weights comes from the checkpoint's leaf of that name;
+    # with `ema` the params from the average's; an nnx model's variable filed in the other group
+    # (the optimizer's `wrt` decides which) by its path inside the model.
+    source = {k: k for k in wanted}
+    if weights_only and ema:
+        average = averages.pop()
+        source = {k: average + k[6:] if k.startswith("params/") else k for k in wanted}
+        stored = {k: every[v] for k, v in source.items() if v in every}
+    inner = lambda names: {k.split("/", 1)[-1]: k for k in names}
+    if weights_only and stored.keys() != wanted.keys() and len(inner(stored)) == len(stored) \
+            and inner(stored).keys() == inner(wanted).keys():
+        source = {k: inner(stored)[k.split("/", 1)[-1]] for k in wanted}
+        stored = {k: stored[v] for k, v in source.items()}
     problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
                 + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
                 + [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
@@ -2034,55 +2041,34 @@ def _restore(mgr, step, state, who, weights_only=False, ema=False):
                          f"wrote it, or start a fresh run (resume=False or another log_name).")
     as_before = lambda r, s: jax.random.wrap_key_data(r, impl=jax.random.key_impl(s)) if \
         _is_key(s) else jnp.asarray(r, s.dtype)
-    if weights_only:  # the weights where the state has them; the rest (orbax restores no part
-        # alone) into host memory (JAX's CPU device, there beside any accelerator), then dropped
+    if weights_only:  # the weights placed as the state's, at their source; the rest (orbax
+        # restores no part alone) into host memory (JAX's CPU device, beside any accelerator)
+        groups = [k for k in ("params", "batch_stats") if hasattr(target, k)]
+        mine = {source[name(p)]: x for p, x in jax.tree_util.tree_leaves_with_path(
+            {k: getattr(target, k) for k in groups})}
         one = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-        saved = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
-                             metadata.tree, is_leaf=lambda x: hasattr(x, "shape"))
-        weights = {k: getattr(target, k) for k in ("params", "batch_stats")
-                   if k in saved and hasattr(target, k)}
-        saved = {**saved, **weights}
-        if ema_path:  # the average restored where the params are placed, the params dropped
-            saved = _set_in(saved, ema_path, weights.pop("params"))
+        saved = jax.tree_util.tree_map_with_path(
+            lambda p, x: mine.get(name(p), jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)),
+            metadata.tree, is_leaf=_is_array_like)
         with _restoring(mgr, step, who):
             out = mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(saved)))["state"]
-        if ema_path:
-            out, weights["params"] = {**out, "params": _get_in(out, ema_path)}, None
-        return state.replace(**{k: jax.tree.map(as_before, out[k], getattr(state, k))
-                                for k in weights}), None
+        got = {name(p): x for p, x in jax.tree_util.tree_leaves_with_path(out)}
+        return state.replace(**{k: jax.tree_util.tree_map_with_path(
+            lambda p, x, k=k: as_before(got[source[f"{k}/{name(p)}"]], x), getattr(state, k))
+            for k in groups}), None
     with _restoring(mgr, step, who):
         out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                         meta=ocp.args.JsonRestore()))
         if not (isinstance(out["meta"], dict) and "epoch" in out["meta"]):
             raise ValueError(f"its meta item holds {str(out['meta'])[:80]}")
     restored = jax.tree.map(as_before, out["state"], state)
-    if ema_path:
+    if ema:
         restored = restored.replace(params=_ema_params(restored.opt_state))
     return restored, out["meta"]
 
 
-def _key(key):
-    """A tree_util path entry's dict key, index or attribute name."""
-    return getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))
-
-
-def _get_in(tree, path):
-    for key in path:
-        tree = tree[_key(key)]
-    return tree
-
-
-def _set_in(tree, path, value):
-    """`tree` (nested dicts and sequences) with `value` at `path` (tree_util keys)."""
-    if not path:
-        return value
-    k = _key(path[0])
-    if isinstance(tree, dict):
-        return {**tree, k: _set_in(tree[k], path[1:], value)}
-    items = list(tree)
-    items[k] = _set_in(items[k], path[1:], value)
-    return type(tree)(items)
+_is_array_like = lambda x: hasattr(x, "shape")  # (a checkpoint's metadata leaf)
 
 
 @contextlib.contextmanager

@@ -273,3 +273,47 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_with_the_average(tmp_pat
     got, want = final.result()["history"], ref.result()["history"]
     assert got["eval_ema/accuracy"] == want["eval_ema/accuracy"] and len(got["eval_ema/accuracy"]) == 4
     assert os.path.isdir(final.result()["ckpt_dir"])
+
+
+def test_an_nnx_ema_outside_wrt_loads_weights_only_without_the_optimizer(
+        digits, tmp_path, monkeypatch, one_device_mesh):
+    # Flax's NNX diffusion example keeps an nnx.EMA in the model, its copies outside the
+    # optimizer's `wrt`: fit files them with the other variables, and a sampling script loads the
+    # weights without an optimizer, where every Param is a param. Also from the file before #29.
+    from flax import nnx
+
+    from conftest import fit_at
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(64, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x.reshape(x.shape[0], -1))))
+
+    class Diffusion(nnx.Module):
+        def __init__(self, rngs):
+            self.net = Net(rngs)
+            self.ema = nnx.EMA(self.net, decay=0.9)
+
+        def __call__(self, x):
+            return self.net(x)
+
+    x, y, _, _ = digits
+    loss = lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
+        logits, labels).mean()
+    for writer in (fit, fit_at("93d6bda", tmp_path, monkeypatch).fit):
+        model = Diffusion(nnx.Rngs(0))
+        model.ema.params["a"]["bias"][...] = 7.0  # (the average differs from the net's weights)
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2),
+                                  wrt=nnx.All(nnx.Param, nnx.PathContains("net")))
+        _, history = writer(model, (x[:64], y[:64]), loss_fn=loss, optimizer=optimizer,
+                            batch_size=32, workdir=str(tmp_path / writer.__module__), verbose=0,
+                            mesh=one_device_mesh)
+        loaded = load_ckpt(Diffusion(nnx.Rngs(1)), history.ckpt_dir, "last", weights_only=True)
+        want = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        _close(nnx.to_pure_dict(nnx.state(loaded, nnx.Param)), want, atol=0)
+        assert float(loaded.ema.params["a"]["bias"][0]) == 7.0
+    # A model that does not fit still says what differs.
+    with pytest.raises(ValueError, match="does not fit this state"):
+        load_ckpt(Net(nnx.Rngs(1)), history.ckpt_dir, "last", weights_only=True)
