@@ -298,6 +298,8 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
     sys.path.insert(0, fit_dir)
     from fit import TrainState, fit
 
+    if spec["method"] == "fit_ema":  # the optimizer wrapped in fit.ema (#29)
+        tx = sys.modules["fit"].ema(tx)
     state = TrainState.create(apply_fn=model.apply, params=params, batch_stats=batch_stats, tx=tx)
     if spec["method"] == "fit_nonorm":  # grad_norm and param_norm off: what do they cost?
         import jax.numpy as jnp
@@ -645,7 +647,7 @@ def main(argv=None):
     parser.add_argument("--accel-methods", default="hand,fit,fit_cond",
                         help="with --accelerator: from hand, fit, fit_cond, fit_nothrottle (no "
                              "wait for the device), fit_hostput (numpy batches to jit as they "
-                             "are), fit_both")
+                             "are), fit_both, fit_ema (the optimizer wrapped in fit.ema)")
     parser.add_argument("--no-dispatch", dest="dispatch", action="store_false",
                         help="with --accelerator: skip the dispatch test")
     parser.add_argument("--put-test", action="store_true",

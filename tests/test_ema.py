@@ -164,10 +164,16 @@ def test_the_best_checkpoint_by_either_weights(tmp_path):
     best = load_ckpt(template, history.ckpt_dir, "best")  # the default monitor: eval/score
     assert int(best.step) == 3 and float(best.params["w"]) == 3.0
 
-    state, history = _scalar_run(tmp_path / "ema", monitor="eval_ema/score",
-                                 hooks=[fit_module.EarlyStopping(patience=2)])
+    seen = []
+    state, history = _scalar_run(tmp_path / "ema", monitor="eval_ema/score", hooks=[
+        fit_module.EarlyStopping(patience=2),
+        lambda event, run: event == "eval" and seen.append(sorted(run.metrics))])
     best = load_ckpt(template, history.ckpt_dir, "best")
     assert int(best.step) == 4  # the average's best step, kept and ranked by it
+    assert seen[0] == ["eval/score", "eval_ema/score"]  # what hooks see at an eval
+    from test_core import scalars  # ... and TensorBoard, with the best by the monitor
+    assert [s for s, _ in scalars(history.log_dir, "eval_ema/score")] == list(range(1, 7))
+    assert scalars(history.log_dir, "best/eval_ema/score")[-1] == (6, -(3.0625 - 3) ** 2)
     assert float(load_ckpt(template, history.ckpt_dir, "best", ema=True).params["w"]) == 3.0625
     # EarlyStopping follows the same monitor: the average got worse after step 4, twice.
     assert history["eval/step"][-1] == 6 and "EarlyStopping at step 6" in history["stopped"][0]
