@@ -32,7 +32,7 @@ rngs={"dropout": fold_in(rng, step)})` (another model: `train_step(state, batch[
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
 that order, each opened by a banner comment. The map:
 
-    TrainState, Weighted, lr_schedule, ema  public building blocks
+    TrainState, Weighted, lr_schedule  public building blocks; ema, the weights' average
     Options                            every option, its default and its check
     fit                                the story: check, place, build the steps, open the run, loop
     load_ckpt, evaluate, History       the rest of the public API
@@ -91,8 +91,8 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import hparams as hparams_summaries, scalar as scalar_summary
 from tqdm.auto import tqdm
 
-__all__ = ["TrainState", "Weighted", "lr_schedule", "ema", "Options", "fit", "evaluate", "load_ckpt",
-           "History", "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
+__all__ = ["TrainState", "Weighted", "lr_schedule", "ema", "Options", "fit", "evaluate",
+           "load_ckpt", "History", "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
 
 
 # -- Public building blocks, the options and fit -----------------------------------------------
@@ -336,7 +336,8 @@ def fit(state, train_ds, test_ds=None, **options):
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
     steps = _build_steps(state, train, test, _StepConfig.of(opts, forward, eval_step, mesh), mesh)
-    ema = test is not None and opts.ema_eval and _ema_params(state.opt_state) is not None
+    ema = test is not None and opts.ema_eval and _ema_params(getattr(state, "opt_state", None)) \
+        is not None
     plan = _Plan(opts, train, test, steps.train_names, steps.eval_names, ema)
     verbose = _verbosity(opts.verbose)
     _check_schedule(state, opts, plan.total)
@@ -884,7 +885,7 @@ def _save(state, step, epoch, position, *, base, run, meter, ckpts, verbose):
 
 
 def _evaluations(steps, test, put, meter, ema, state):
-    """An eval's metrics, `eval/<name>`; with `ema`, those of the EMA's params, `eval_ema/<name>`."""
+    """An eval's metrics, `eval/<name>`; with `ema`, the average's too, `eval_ema/<name>`."""
     out = {f"eval/{k}": v for k, v in _evaluate(steps, test, put, meter, state).items()}
     if ema:
         averaged = state.replace(params=_ema_params(state.opt_state))
@@ -2011,7 +2012,8 @@ def _restore(mgr, step, state, who, weights_only=False, ema=False):
                  jax.tree_util.tree_leaves_with_path(metadata.tree, is_leaf=_is_array_like)}
     except Exception as e:
         raise _unrestorable(mgr, step, e, who) from None
-    averages = {k[:k.index("fit_ema_params") + 14] for k in every if "fit_ema_params" in k}
+    averages = {k[:k.index("fit_ema_params")] + "fit_ema_params" for k in every
+                if "fit_ema_params" in k}
     if ema and len(averages) != 1:
         raise ValueError(f"{who}: ema=True, but the checkpoint at step {step} in {mgr.directory} "
                          f"holds no fit.ema average: its run's optimizer was not wrapped in "
