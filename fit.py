@@ -116,7 +116,9 @@ class TrainState(train_state.TrainState):
 Weighted = collections.namedtuple("Weighted", "total weight")
 Weighted.__doc__ = """A metric given as a sum and its weight, e.g. `Weighted(token_losses.sum(),
 mask.sum())` for a padded batch: fit logs sum(total) / sum(weight) over the whole eval set or log
-interval, exactly, where a plain per-batch mean is weighted by rows (eval) or steps (train)."""
+interval, exactly, where a plain per-batch mean is weighted by rows (eval) or steps (train). A loss
+may be one too (`loss_fn` returns it, or `(it, metrics)`): the step descends total / weight, and
+with `grad_accum` or `axis_name` sums totals and weights over microbatches and devices first."""
 
 
 def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0):
@@ -229,6 +231,15 @@ class Options:
     lr_fn: `lr_fn(step) -> learning rate`, to log the rate without `optax.inject_hyperparams`.
     steps_per_jit=1: k steps per compiled call, over groups of k batches of one shape starting at
         multiples of k, where logs, evals, saves and stops then fall; other batches run singly.
+    grad_accum=1: k microbatches per train batch, in a rolled scan inside the step (activations
+        of one at a time): the gradients of the losses' totals (a mean loss: mean x rows) and
+        their weights are summed, then divided once, so an update is the whole batch's, also for
+        a `Weighted` loss over padded tokens (where `optax.MultiSteps`, a mean of means, is not).
+        Microbatch j is the j-th slice of each device's rows. BatchNorm normalises each
+        microbatch by its own statistics and updates the running ones once per microbatch;
+        dropout draws `fold_in(key, j)` (an nnx model's Rngs advance per microbatch). A batch
+        whose rows do not split into devices x k (an epoch's smaller last) runs in the most
+        microbatches (<= k) that split it. Your own `train_step` accumulates on its own.
     hooks: functions `hook(event, run)`, called after the built-in ones (see `_Run`).
     verbose=1: 0: warnings only; 1: a bar and epoch lines; 2: the lines (1 too if TQDM_DISABLE=1).
     tensorboard=True: False: no event files.
@@ -264,6 +275,7 @@ class Options:
     seed: int = 0
     lr_fn: Any = None
     steps_per_jit: int = 1
+    grad_accum: int = 1
     hooks: Any = ()
     verbose: int = 1
     tensorboard: bool = True
@@ -289,6 +301,9 @@ class Options:
         if self.eval_every and self.eval_freq != 1:
             raise ValueError(f"fit: eval_every={self.eval_every} (steps) and eval_freq="
                              f"{self.eval_freq} (epochs) contradict each other; pass one of them.")
+        if self.grad_accum > 1 and self.train_step is not None:
+            raise ValueError(f"fit: grad_accum={self.grad_accum} splits fit's own train step; "
+                             f"your train_step accumulates on its own (drop grad_accum).")
         if self.mesh is not None and "data" not in self.mesh.axis_names:
             raise ValueError(f"fit: mesh must have a 'data' axis to shard batches over, got "
                              f"axes {self.mesh.axis_names}.")
@@ -379,12 +394,12 @@ def fit(state, train_ds, test_ds=None, **options):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
                                    opts.max_steps, meter.said)
                 for batch, position, k, last in _prefetch(batches, put):
-                    state = meter.train(steps, state, batch, k)  # dispatch step n ...
+                    state = meter.train(steps, state, batch, k, (epoch, position[0] - k))
                     step += k
                     stop = signals.reason or ckpts.preempted()  # (several processes: each call)
                     if step < due and not (last or stop):
                         continue  # nothing else to do: the host stays ahead of the device
-                    logged = meter.read(step, plan.due("log", step, k))  # ... read step n-1
+                    logged = meter.read(step, plan.due("log", step, k))  # (n dispatched: n-1)
                     run.log(state, epoch, logged, save=ckpts.overdue, stop=signals.asked)
                     if plan.due("eval", step, k):
                         run.evaluate(state, step, epoch, evaluate(state))
@@ -1281,12 +1296,16 @@ class _StepConfig:
     axis_name: str | None
     skip: bool            # on_nonfinite="skip"
     norms_every_step: bool  # the log steps' norms computed at every step, without a lax.cond
+    grad_accum: int       # microbatches per batch
+    shards: int           # over how many devices the step's batch rows are split (shard_map: 1)
 
     @classmethod
     def of(cls, opts, forward, eval_step, mesh):
+        shards = 1 if opts.axis_name else mesh.shape["data"]
         return cls(forward, opts.loss_fn, _loss_name(opts), opts.train_step, eval_step,
                    opts.lr_fn, opts.seed, opts.log_every, opts.axis_name,
-                   opts.on_nonfinite == "skip", _platform(mesh) in _NO_COND)
+                   opts.on_nonfinite == "skip", _platform(mesh) in _NO_COND, opts.grad_accum,
+                   shards)
 
 
 _Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 acc_names "
@@ -1430,29 +1449,80 @@ def _linen_forward(loss_fn, state, params, batch, rng, *, train):
 
 def _default_train_step(config):
     """The one gradient step of linen and nnx models: a train-mode forward pass's loss, gradients,
-    an update; with `axis_name`, per device (shard_map), averaging gradients and metrics as pmap."""
-
+    an update; with `axis_name`, per device (shard_map), averaging gradients and metrics as pmap.
+    A `Weighted` loss, or `grad_accum`, sums the gradients of the totals and the weights (over
+    microbatches, and devices: psum), then divides once (_accumulate)."""
     axis = config.axis_name
 
     def train_step(state, batch):
         rng = _step_key(state, config.seed)
         if axis:  # each device draws its own dropout masks
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        has_stats = hasattr(state, "batch_stats")
 
-        def loss_of(params):
-            out, batch_stats = config.forward(config.loss_fn, state, params, batch, rng, train=True)
+        def loss_of(params, stats, batch, rng):  # -> (the loss to differentiate, aux)
+            here = state.replace(batch_stats=stats) if has_stats else state
+            out, stats = config.forward(config.loss_fn, here, params, batch, rng, train=True)
             loss, metrics = _split_loss(out, config.loss_name)
-            return loss, (metrics, batch_stats)
+            return loss.total if isinstance(loss, Weighted) else loss, (loss, metrics, stats)
 
-        (loss, (metrics, batch_stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-            state.params)
-        if axis:
-            grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
-        stats = {"batch_stats": batch_stats} if hasattr(state, "batch_stats") else {}
+        stats = getattr(state, "batch_stats", {})
+        weighted = isinstance(jax.eval_shape(loss_of, state.params, stats, batch, rng)[1][0],
+                              Weighted)
+        if weighted or config.grad_accum > 1:
+            grads, loss, metrics, stats = _accumulate(loss_of, state.params, stats, batch, rng,
+                                                      config, weighted)
+        else:
+            (_, (loss, metrics, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                state.params, stats, batch, rng)
+            if axis:
+                grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
         grad_norm = _log_norm(state, config, grads)  # (before the update: its step decides)
-        state = state.apply_gradients(grads=grads, **stats)
+        state = state.apply_gradients(grads=grads, **({"batch_stats": stats} if has_stats else {}))
         return state, {"loss": loss, **metrics, "grad_norm": grad_norm}
     return train_step
+
+
+def _accumulate(loss_of, params, stats, batch, rng, config, weighted):
+    """`(grads, loss, metrics, stats)` of a batch as `grad_accum` microbatches in a rolled scan
+    (the j-th slice of each device's rows: no data moves between devices): the gradients of the
+    losses' totals (a mean loss: mean x rows) and the weights summed, divided once; metrics as
+    totals and weights (a Weighted stays one); the stats carried from one microbatch to the next."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    d = config.shards if rows % config.shards == 0 else 1  # (a batch placed whole on each device)
+    k = max(j for j in range(1, config.grad_accum + 1) if rows % (d * j) == 0)
+    split = lambda a: jnp.swapaxes(a.reshape(d, k, rows // (d * k), *a.shape[1:]), 0, 1)
+    pair = lambda m, n: (m.total, m.weight) if isinstance(m, Weighted) else (m * n, jnp.float32(n))
+
+    def micro(carry, xs):
+        grads, stats, sums = carry
+        part, j = xs
+        part = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part)
+        key = rng if k == 1 else jax.random.fold_in(rng, j)
+        scale = 1.0 if weighted else rows // k  # (a mean loss's total: mean x rows)
+        (_, (loss, metrics, stats)), g = jax.value_and_grad(
+            lambda p: (lambda out: (out[0] * scale, out[1]))(loss_of(p, stats, part, key)),
+            has_aux=True)(params)
+        now = jax.tree.map(lambda m: pair(m, rows // k), (loss, metrics),
+                           is_leaf=lambda m: isinstance(m, Weighted))
+        add = lambda a, b: jax.tree.map(jnp.add, a, b)
+        return (add(grads, g), stats, add(sums, now)), None
+
+    zero = lambda x: jnp.zeros(x.shape, x.dtype)
+    shapes = jax.eval_shape(loss_of, params, stats, jax.tree.map(lambda a: a[:rows // k], batch),
+                            rng)[1]
+    sums0 = jax.tree.map(lambda m: (zero(m.total), zero(m.weight)) if isinstance(m, Weighted) else
+                         (zero(m), jnp.float32(0)), shapes[:2],
+                         is_leaf=lambda m: isinstance(m, Weighted))
+    (grads, stats, (loss, metrics)), _ = jax.lax.scan(
+        micro, (jax.tree.map(zero, params), stats, sums0),
+        (jax.tree.map(split, batch), jnp.arange(k)))
+    if config.axis_name:  # every device's totals and weights, then one division
+        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), config.axis_name)
+    grads = jax.tree.map(lambda g: g / loss[1], grads)
+    like = lambda shape, pair: Weighted(*pair) if isinstance(shape, Weighted) else pair[0] / pair[1]
+    return grads, like(shapes[0], loss), {n: like(shapes[1][n], metrics[n]) for n in metrics}, \
+        stats
 
 
 def _step_key(state, seed):
@@ -1473,18 +1543,28 @@ def _takes_three(fn):
 
 def _split_loss(out, who):
     """`(loss, metrics)` of a loss, or of a loss and a dict of metrics; an aux that is an array of
-    logits (the NNX tutorial's loss_fn returns them, for metrics made elsewhere) is left out."""
-    loss, metrics = out if isinstance(out, tuple) else (out, {})
-    if not hasattr(loss, "dtype") and not isinstance(loss, float):  # (a dict, a list, None)
-        raise TypeError(f"fit: {who} must return a scalar float loss, or a pair (loss, "
-                        f"{{name: metric}}), got {type(loss).__name__}"
-                        f"{f' with keys {sorted(loss)}' if isinstance(loss, dict) else ''}; e.g. "
-                        f"return loss, {{'loss': loss}}.")
-    loss = jnp.asarray(loss)
-    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(f"fit: {who} must return a scalar float loss (or (loss, metrics)), got "
-                        f"an array of shape {loss.shape} and dtype {loss.dtype}; reduce it with "
-                        f".mean().")
+    logits (the NNX tutorial's loss_fn returns them, for metrics made elsewhere) is left out. A
+    loss may be `Weighted(total, weight)`: its value is total / weight, summed exactly."""
+    loss, metrics = out if isinstance(out, tuple) and not isinstance(out, Weighted) else (out, {})
+    if isinstance(loss, Weighted):
+        loss = Weighted(jnp.asarray(loss.total), jnp.asarray(loss.weight))
+        if loss.total.shape != () or loss.weight.shape != () or not jnp.issubdtype(
+                loss.total.dtype, jnp.floating):
+            raise TypeError(f"fit: {who} must return Weighted(total, weight) of two scalars, a "
+                            f"float total and its weight, e.g. Weighted((losses * weights).sum(), "
+                            f"weights.sum()); got shapes {loss.total.shape} and "
+                            f"{loss.weight.shape}, dtype {loss.total.dtype} for the total.")
+    else:
+        if not hasattr(loss, "dtype") and not isinstance(loss, float):  # (a dict, a list, None)
+            raise TypeError(f"fit: {who} must return a scalar float loss, or a pair (loss, "
+                            f"{{name: metric}}), got {type(loss).__name__}"
+                            f"{f' with keys {sorted(loss)}' if isinstance(loss, dict) else ''}; "
+                            f"e.g. return loss, {{'loss': loss}}.")
+        loss = jnp.asarray(loss)
+        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise TypeError(f"fit: {who} must return a scalar float loss (or (loss, metrics)), "
+                            f"got an array of shape {loss.shape} and dtype {loss.dtype}; reduce "
+                            f"it with .mean().")
     if isinstance(metrics, collections.abc.Mapping):
         return loss, dict(metrics)
     if getattr(metrics, "ndim", 0) < 1:  # (a scalar: a metric that wants a name)
@@ -1709,7 +1789,7 @@ class _Meter:
         self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
         self.pending, self.calls = collections.deque(), 0  # log points to read, calls made
         self.lr, self.logged, self.first_step = None, step, step
-        self.compiled, self.inflight, self.compile_shown = set(), collections.deque(), 0.0
+        self.compiled, self.inflight, self.compile_shown = {}, collections.deque(), 0.0
         # The batch shapes fed since the last log point, where they changed (_agree_shapes).
         self.shape, self.changes, self.fed, self.said = None, [], step, set()
         # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
@@ -1718,8 +1798,10 @@ class _Meter:
         self.t0 = self.t_ready = self.t_logged = time.perf_counter()
         self.t_end = None
 
-    def train(self, steps, state, batch, k):
-        """Dispatches one step (or k); only a new batch shape waits, to time its compile."""
+    def train(self, steps, state, batch, k, at=None):
+        """Dispatches step n (or k steps); only a new batch shape waits, to time its compile. A
+        new shape that fails to trace (a model built for the first) is named, `at`: (epoch, batch
+        index)."""
         self.spent["data"][0] += time.perf_counter() - self.t_ready
         shape = (k, *(a.shape for a in jax.tree.leaves(batch)))
         if shape != self.shape:  # (length buckets: a new shape)
@@ -1730,10 +1812,19 @@ class _Meter:
         if shape in self.compiled:
             state, self.acc = train(state, self.acc, batch)
         else:  # one wait per new shape, so compile time is kept out of the rate
-            with self.timed("compile", k):
-                state, self.acc = jax.block_until_ready(train(state, self.acc, batch))
-                self.param_norm(state)  # (the check before saves compiles here, not at a save)
-            self.compiled.add(shape)
+            try:
+                with self.timed("compile", k):
+                    state, self.acc = jax.block_until_ready(train(state, self.acc, batch))
+                    self.param_norm(state)  # (the check before saves compiles here, not at a save)
+            except Exception as e:
+                if not self.compiled:  # (the first batch: the trace's own checks explain it)
+                    raise
+                first = next(iter(self.compiled))
+                raise ValueError(f"fit: the train step failed on the batch of shapes {shape[1:]}"
+                                 f" (epoch {at[0] + 1}, batch {at[1]}), which differ from the first"
+                                 f" batch's {first[1:]}: does the model take inputs of that shape? "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+            self.compiled[shape] = True  # (a dict: the first shape comes first)
             if len(self.compiled) == _MANY_SHAPES:
                 warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, "
                               f"and each new shape compiles the step again; pad them to a few "
@@ -2330,6 +2421,13 @@ def _check_data(train, test, opts, mesh):
         raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
                          f"devices ({d}); use {n - n % d or d} or {n + d - n % d}. (Only a smaller "
                          f"last batch may split unevenly: it runs whole on every device.)")
+    if n % (d * opts.grad_accum):
+        k = opts.grad_accum
+        raise ValueError(f"fit: grad_accum={k} splits each device's rows into {k} equal "
+                         f"microbatches, but the train batch size ({n}) gives {d} device(s) "
+                         f"{n // d} rows each; use a batch size divisible by devices x grad_accum "
+                         f"= {d * k}, e.g. {n + d * k - n % (d * k)}. (A smaller last batch runs "
+                         f"in fewer microbatches.)")
     if jax.process_count() > 1 and train.length is None and not (
             opts.steps_per_epoch or opts.max_steps):
         raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
@@ -2410,6 +2508,7 @@ def _positive_int(value):
 
 _RULES = {  # option: (error, is a value valid?, what it must be); None passes if it is the default
     **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit",
+                     "grad_accum",
                      "ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "eval_steps",
                      "batch_size"), (ValueError, _positive_int, "a positive integer")),
     **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn", "nnx_loss_fn"),

@@ -300,6 +300,8 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
 
     if spec["method"] == "fit_ema":  # the optimizer wrapped in fit.ema (#29)
         tx = sys.modules["fit"].ema(tx)
+    accum = {"grad_accum": int(spec["method"][9:])} if spec["method"].startswith("fit_accum") \
+        else {}  # fit_accum<k>: grad_accum=k (#30)
     state = TrainState.create(apply_fn=model.apply, params=params, batch_stats=batch_stats, tx=tx)
     if spec["method"] == "fit_nonorm":  # grad_norm and param_norm off: what do they cost?
         import jax.numpy as jnp
@@ -324,7 +326,7 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
                          eval_step=_eval_step if test else None, num_epochs=epochs,
                          batch_size=None if y is None else BATCHES.get(spec["model"], BATCH),
                          workdir=workdir,
-                         log_name="bench", hooks=[mark],
+                         log_name="bench", hooks=[mark], **accum,
                          steps_per_jit=spec["k"] if spec["method"] == "fit_scan" else 1)
     jax.block_until_ready(state)
     wall = time.perf_counter() - t0
@@ -647,7 +649,8 @@ def main(argv=None):
     parser.add_argument("--accel-methods", default="hand,fit,fit_cond",
                         help="with --accelerator: from hand, fit, fit_cond, fit_nothrottle (no "
                              "wait for the device), fit_hostput (numpy batches to jit as they "
-                             "are), fit_both, fit_ema (the optimizer wrapped in fit.ema)")
+                             "are), fit_both, fit_ema (the optimizer wrapped in fit.ema), "
+                             "fit_accum<k> (grad_accum=k)")
     parser.add_argument("--no-dispatch", dest="dispatch", action="store_false",
                         help="with --accelerator: skip the dispatch test")
     parser.add_argument("--put-test", action="store_true",

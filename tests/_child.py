@@ -2,7 +2,8 @@
 
     python tests/_child.py MODE WORKDIR OUT_JSON
 
-MODE is `kill` (the SIGKILL/resume run; `ema`: the same with fit.ema), `sigterm` (a run the parent sends SIGTERM) or `flat`
+MODE is `kill` (the SIGKILL/resume run; `ema`, `accum`: the same with fit.ema, grad_accum=4),
+`sigterm` (a run the parent sends SIGTERM) or `flat`
 (a long run that records its memory and compilations each epoch). Every launch of a mode runs
 the same command with `resume=True`, so a relaunch after a kill picks the run up. The parent
 gives the child `XLA_FLAGS=` (empty): one CPU device, which starts faster than eight.
@@ -88,10 +89,10 @@ def history_json(history):
     return {k: v for k, v in history.items()}
 
 
-def kill_mode(workdir, out, ema=False):
+def kill_mode(workdir, out, ema=False, grad_accum=1):
     # 20 batches of 32 per epoch, 4 epochs; a checkpoint every 3 steps and at each epoch end, an
     # eval each epoch, train logs every 2 steps. Array data: fit shuffles per (seed, epoch).
-    # `ema`: the optimizer wrapped in fit.ema, evaluated beside the raw weights.
+    # `ema`: the optimizer wrapped in fit.ema, evaluated beside the raw weights; `grad_accum`.
     x, y, xt, yt = make_data(640, 128)
     state = make_state(hidden=512)
     if ema:
@@ -101,6 +102,7 @@ def kill_mode(workdir, out, ema=False):
     state, history = fit(state, (x, y), (xt, yt), loss_fn=loss_fn, eval_step=eval_step,
                          batch_size=32, num_epochs=4, ckpt_every=3, log_every=2, resume=True,
                          workdir=workdir, log_name="kill", hparams={"hidden": 512},
+                         grad_accum=grad_accum,
                          hooks=[progress_hook])
     np.save(os.path.join(os.path.dirname(out), "final.npy"), all_leaves(state))
     with open(out, "w") as f:
@@ -203,5 +205,6 @@ def flat_mode(workdir, out):
 
 if __name__ == "__main__":
     mode, workdir, out = sys.argv[1:4]
-    {"kill": kill_mode, "ema": lambda w, o: kill_mode(w, o, ema=True), "sigterm": sigterm_mode,
+    {"kill": kill_mode, "ema": lambda w, o: kill_mode(w, o, ema=True),
+     "accum": lambda w, o: kill_mode(w, o, grad_accum=4), "sigterm": sigterm_mode,
      "flat": flat_mode}[mode](workdir, out)
