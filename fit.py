@@ -1450,8 +1450,8 @@ def _linen_forward(loss_fn, state, params, batch, rng, *, train):
 def _default_train_step(config):
     """The one gradient step of linen and nnx models: a train-mode forward pass's loss, gradients,
     an update; with `axis_name`, per device (shard_map), averaging gradients and metrics as pmap.
-    A `Weighted` loss, or `grad_accum`, sums the gradients of the totals and the weights (over
-    microbatches, and devices: psum), then divides once (_accumulate)."""
+    A `Weighted` loss descends total / weight: the gradient of the total (averaged over devices)
+    over the weight (too); `grad_accum` sums microbatches first (_accumulate)."""
     axis = config.axis_name
 
     def train_step(state, batch):
@@ -1467,23 +1467,23 @@ def _default_train_step(config):
             return loss.total if isinstance(loss, Weighted) else loss, (loss, metrics, stats)
 
         stats = getattr(state, "batch_stats", {})
-        weighted = isinstance(jax.eval_shape(loss_of, state.params, stats, batch, rng)[1][0],
-                              Weighted)
-        if weighted or config.grad_accum > 1:
+        if config.grad_accum > 1:
             grads, loss, metrics, stats = _accumulate(loss_of, state.params, stats, batch, rng,
-                                                      config, weighted)
+                                                      config)
         else:
             (_, (loss, metrics, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
                 state.params, stats, batch, rng)
-            if axis:
+            if axis:  # (a Weighted's total and weight alike: their ratio stays)
                 grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
+            if isinstance(loss, Weighted):
+                grads = jax.tree.map(lambda g: g / loss.weight, grads)
         grad_norm = _log_norm(state, config, grads)  # (before the update: its step decides)
         state = state.apply_gradients(grads=grads, **({"batch_stats": stats} if has_stats else {}))
         return state, {"loss": loss, **metrics, "grad_norm": grad_norm}
     return train_step
 
 
-def _accumulate(loss_of, params, stats, batch, rng, config, weighted):
+def _accumulate(loss_of, params, stats, batch, rng, config):
     """`(grads, loss, metrics, stats)` of a batch as `grad_accum` microbatches in a rolled scan
     (the j-th slice of each device's rows: no data moves between devices): the gradients of the
     losses' totals (a mean loss: mean x rows) and the weights summed, divided once; metrics as
@@ -1492,36 +1492,36 @@ def _accumulate(loss_of, params, stats, batch, rng, config, weighted):
     d = config.shards if rows % config.shards == 0 else 1  # (a batch placed whole on each device)
     k = max(j for j in range(1, config.grad_accum + 1) if rows % (d * j) == 0)
     split = lambda a: jnp.swapaxes(a.reshape(d, k, rows // (d * k), *a.shape[1:]), 0, 1)
-    pair = lambda m, n: (m.total, m.weight) if isinstance(m, Weighted) else (m * n, jnp.float32(n))
+    is_weighted = lambda m: isinstance(m, Weighted)
+    pair = lambda m: (m.total, m.weight) if is_weighted(m) else (m * (rows // k), rows // k)
+    zero = lambda x: jnp.zeros(x.shape, x.dtype)
+    shapes = jax.eval_shape(loss_of, params, stats, jax.tree.map(lambda a: a[:rows // k], batch),
+                            rng)[1][:2]  # (the loss and metrics: which are Weighted)
+    scale = 1 if is_weighted(shapes[0]) else rows // k  # (a mean loss's total: mean x rows)
 
     def micro(carry, xs):
         grads, stats, sums = carry
         part, j = xs
         part = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part)
         key = rng if k == 1 else jax.random.fold_in(rng, j)
-        scale = 1.0 if weighted else rows // k  # (a mean loss's total: mean x rows)
-        (_, (loss, metrics, stats)), g = jax.value_and_grad(
-            lambda p: (lambda out: (out[0] * scale, out[1]))(loss_of(p, stats, part, key)),
-            has_aux=True)(params)
-        now = jax.tree.map(lambda m: pair(m, rows // k), (loss, metrics),
-                           is_leaf=lambda m: isinstance(m, Weighted))
-        add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        return (add(grads, g), stats, add(sums, now)), None
 
-    zero = lambda x: jnp.zeros(x.shape, x.dtype)
-    shapes = jax.eval_shape(loss_of, params, stats, jax.tree.map(lambda a: a[:rows // k], batch),
-                            rng)[1]
-    sums0 = jax.tree.map(lambda m: (zero(m.total), zero(m.weight)) if isinstance(m, Weighted) else
-                         (zero(m), jnp.float32(0)), shapes[:2],
-                         is_leaf=lambda m: isinstance(m, Weighted))
+        def total(params):
+            value, aux = loss_of(params, stats, part, key)
+            return value * scale, aux
+        (_, (loss, metrics, stats)), g = jax.value_and_grad(total, has_aux=True)(params)
+        now = jax.tree.map(pair, (loss, metrics), is_leaf=is_weighted)
+        return (jax.tree.map(jnp.add, grads, g), stats, jax.tree.map(jnp.add, sums, now)), None
+
+    sums0 = jax.tree.map(lambda m: (zero(m.total), zero(m.weight)) if is_weighted(m) else
+                         (zero(m), jnp.int32(0)), shapes, is_leaf=is_weighted)
     (grads, stats, (loss, metrics)), _ = jax.lax.scan(
         micro, (jax.tree.map(zero, params), stats, sums0),
         (jax.tree.map(split, batch), jnp.arange(k)))
     if config.axis_name:  # every device's totals and weights, then one division
         grads, loss, metrics = jax.lax.psum((grads, loss, metrics), config.axis_name)
     grads = jax.tree.map(lambda g: g / loss[1], grads)
-    like = lambda shape, pair: Weighted(*pair) if isinstance(shape, Weighted) else pair[0] / pair[1]
-    return grads, like(shapes[0], loss), {n: like(shapes[1][n], metrics[n]) for n in metrics}, \
+    back = lambda shape, pair: Weighted(*pair) if is_weighted(shape) else pair[0] / pair[1]
+    return grads, back(shapes[0], loss), {n: back(shapes[1][n], metrics[n]) for n in metrics}, \
         stats
 
 
