@@ -43,6 +43,19 @@ class MLP(nn.Module):
         return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
 
 
+def nnx_mlp(seed=0):
+    """A small nnx MLP for 8x8 digits (64 -> 16 -> 10), no BatchNorm, no Dropout."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(64, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x.reshape(x.shape[0], -1))))
+    return Net(nnx.Rngs(seed))
+
+
 @pytest.fixture(scope="session")
 def digits():
     """scikit-learn's bundled 8x8 digits as (x_train, y_train, x_test, y_test); 1440 / 357."""

@@ -2,7 +2,6 @@
 also for padded tokens whose microbatches hold different token counts (where a mean of means and
 optax.MultiSteps do not); on 8 devices without moving data; resumed exactly; and the error a batch
 of a new feature shape gets."""
-import signal
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +11,9 @@ import pytest
 from jax.sharding import Mesh
 
 import fit as fit_module
-from conftest import MLP, flat, loss_fn, make_state
+from conftest import MLP, flat, loss_fn, make_state, nnx_mlp
 from fit import Weighted, fit
-from test_weighted import _token_metrics, common, hand_sums, lm_arrays, lm_state, L, V
+from test_weighted import _token_metrics, common, hand_sums, lm_arrays, lm_state
 
 
 def weighted_loss(logits, y):
@@ -69,7 +68,9 @@ def test_a_weighted_loss_trains_in_both_forms_as_its_ratio(tmp_path, one_device_
         run(unsummed, "unsummed")
 
 
-def test_train_loss_of_a_weighted_loss_is_token_exact_per_interval(tmp_path, one_device_mesh):
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_train_loss_of_a_weighted_loss_is_token_exact_per_interval(tmp_path, one_device_mesh,
+                                                                   grad_accum):
     x, y = lm_arrays(96, seed=2)
     batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 96, 8)]
     state0 = lm_state(optax.sgd(0.0))  # the params stay: every step's loss is known by hand
@@ -77,7 +78,7 @@ def test_train_loss_of_a_weighted_loss_is_token_exact_per_interval(tmp_path, one
     hook = lambda event, run: event == "log" and rows.append((run.step, run.metrics["train/loss"]))
     test = batches[:3]
     _, history = fit(state0, batches, test, loss_fn=weighted_loss, log_every=4, hooks=[hook],
-                     mesh=one_device_mesh, **common(tmp_path))
+                     mesh=one_device_mesh, grad_accum=grad_accum, **common(tmp_path))
     # The eval without eval_step is the loss's too: token-exact over the eval set.
     want = hand_sums(state0, test)
     want = sum(s[0] for s in want) / sum(s[1] for s in want)
@@ -95,9 +96,11 @@ def test_a_weighted_loss_per_device_equals_one_device(tmp_path, one_device_mesh)
     batches = [(x, y)] * 2
     one, _ = fit(lm_state(optax.sgd(0.1)), batches, loss_fn=weighted_loss, mesh=one_device_mesh,
                  **common(tmp_path / "one"))
-    four, _ = fit(lm_state(optax.sgd(0.1)), batches, loss_fn=weighted_loss, axis_name="batch",
-                  mesh=Mesh(np.array(jax.devices()[:4]), ("data",)), **common(tmp_path / "four"))
-    np.testing.assert_allclose(flat(four.params), flat(one.params), atol=1e-6)
+    for k in (1, 2):  # and in 2 microbatches per device (2 rows each)
+        four, _ = fit(lm_state(optax.sgd(0.1)), batches, loss_fn=weighted_loss, axis_name="batch",
+                      grad_accum=k, mesh=Mesh(np.array(jax.devices()[:4]), ("data",)),
+                      **common(tmp_path / f"four{k}"))
+        np.testing.assert_allclose(flat(four.params), flat(one.params), atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,41 +187,24 @@ def test_grad_accum_with_steps_per_jit_and_nnx(tmp_path, one_device_mesh, digits
     assert max_abs_diff(run("both", grad_accum=2, steps_per_jit=2)[0], whole) <= \
         1e-5 * max_abs(whole)
 
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.a, self.b = nnx.Linear(64, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
-
-        def __call__(self, x):
-            return self.b(nnx.relu(self.a(x.reshape(x.shape[0], -1))))
-
     ce = lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
         logits, labels).mean()
     models = []
     for k in (1, 4):
-        model = Net(nnx.Rngs(0))
+        model = nnx_mlp(0)
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         fit(model, (x, y), optimizer=optimizer, loss_fn=ce, batch_size=32, grad_accum=k,
             mesh=one_device_mesh, **common(tmp_path / f"nnx{k}"))
         models.append(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    before = nnx.to_pure_dict(nnx.state(Net(nnx.Rngs(0)), nnx.Param))
+    before = nnx.to_pure_dict(nnx.state(nnx_mlp(0), nnx.Param))
     a, b = (jax.tree.map(lambda p, q: np.asarray(p) - np.asarray(q), m, before) for m in models)
     assert max_abs_diff(b, a) <= 1e-5 * max_abs(a)
 
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_with_grad_accum(tmp_path):
-    from test_robust import Child, child_env, progress_at_least
-    env = child_env()
-    ref = Child("accum", tmp_path / "ref", env, tmp_path / "ref.err")
-    assert ref.finish() == 0, ref.stderr_tail()
-    child = Child("accum", tmp_path / "run", env, tmp_path / "run.err")
-    assert child.wait_for(progress_at_least(27)) is not None, child.stderr_tail()
-    child.kill(signal.SIGKILL)
-    assert child.proc.wait() == -signal.SIGKILL
-    final = Child("accum", tmp_path / "run", env, tmp_path / "final.err")
-    assert final.finish() == 0, final.stderr_tail()
-    assert np.array_equal(np.load(tmp_path / "run" / "final.npy"),
-                          np.load(tmp_path / "ref" / "final.npy"))
+    from test_robust import killed_once_and_resumed
+    ref, final = killed_once_and_resumed("accum", tmp_path)  # (final params etc. bitwise)
     assert final.result()["history"]["train/loss"] == ref.result()["history"]["train/loss"]
 
 
@@ -231,19 +217,12 @@ def test_a_new_feature_shape_gets_fits_error(tmp_path, one_device_mesh, digits):
     flat_x = x.reshape(len(x), -1)
     batches = [(flat_x[:32], y[:32]), (flat_x[32:64, :32], y[32:64])]  # 64 features, then 32
 
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.a = nnx.Linear(64, 10, rngs=rngs)
-
-        def __call__(self, x):
-            return self.a(x)
-
     def own_step(state, batch):
         loss, grads = jax.value_and_grad(lambda p: loss_fn(state.apply_fn(
             {"params": p}, batch[0], train=True), batch[1])[0])(state.params)
         return state.apply_gradients(grads=grads), {"loss": loss}
 
-    model = Net(nnx.Rngs(0))
+    model = nnx_mlp(0)
     cases = {"linen": (make_state(MLP()), dict(loss_fn=loss_fn)),
              "train_step": (make_state(MLP()), dict(train_step=own_step)),
              "nnx": (model, dict(optimizer=nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),

@@ -1,17 +1,16 @@
 """fit.ema (#29): the average of the params kept in the optimizer state, evaluated beside the raw
 weights, the best checkpoint chosen by either, loaded for inference; sharded, resumed exactly."""
 import os
-import signal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import fit as fit_module
-from conftest import CNN, MLP, eval_step, loss_fn, make_state
+from conftest import CNN, MLP, eval_step, loss_fn, make_state, nnx_mlp
 from fit import TrainState, evaluate, fit, load_ckpt
 
 ema = fit_module.ema
@@ -60,15 +59,8 @@ def test_the_average_is_the_hand_computed_one_linen_cnn(digits, tmp_path, one_de
 def test_the_average_is_the_hand_computed_one_nnx(digits, tmp_path, one_device_mesh):
     from flax import nnx
 
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.a, self.b = nnx.Linear(64, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
-
-        def __call__(self, x):
-            return self.b(nnx.relu(self.a(x.reshape(x.shape[0], -1))))
-
     x, y, xt, yt = digits
-    model = Net(nnx.Rngs(0))
+    model = nnx_mlp(0)
     optimizer = nnx.Optimizer(model, ema(optax.adam(1e-2), decay=0.95), wrt=nnx.Param)
     params, _, _ = _params_after_each_step(
         dict(loss_fn=lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
@@ -229,15 +221,8 @@ def test_ema_load_of_a_run_without_one_is_refused(digits, tmp_path, one_device_m
 def test_nnx_ema_loads_with_and_without_the_optimizer(digits, tmp_path, one_device_mesh):
     from flax import nnx
 
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.a, self.b = nnx.Linear(64, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
-
-        def __call__(self, x):
-            return self.b(nnx.relu(self.a(x.reshape(x.shape[0], -1))))
-
     x, y, xt, yt = digits
-    model = Net(nnx.Rngs(0))
+    model = nnx_mlp(0)
     optimizer = nnx.Optimizer(model, ema(optax.adam(1e-2), decay=0.9), wrt=nnx.Param)
     accuracy = lambda model, batch: (model(batch[0]).argmax(-1) == batch[1]).mean()
     _, history = fit(model, (x[:320], y[:320]), (xt, yt), optimizer=optimizer,
@@ -245,10 +230,10 @@ def test_nnx_ema_loads_with_and_without_the_optimizer(digits, tmp_path, one_devi
                          logits, labels).mean(), eval_step=accuracy, batch_size=32, num_epochs=2,
                      workdir=str(tmp_path), verbose=0, mesh=one_device_mesh)
     average = fit_module._ema_params(nnx.as_pure(optimizer.opt_state))
-    fresh = Net(nnx.Rngs(1))
+    fresh = nnx_mlp(1)
     for kwargs in ({"optimizer": nnx.Optimizer(fresh, ema(optax.adam(1e-2), 0.9), wrt=nnx.Param)},
                    {"weights_only": True}):
-        target = fresh if "optimizer" in kwargs else Net(nnx.Rngs(2))
+        target = fresh if "optimizer" in kwargs else nnx_mlp(2)
         loaded = load_ckpt(target, history.ckpt_dir, ema=True, **kwargs)
         _close(nnx.to_pure_dict(nnx.state(loaded, nnx.Param)), average, atol=0)
         got = evaluate(loaded, (xt, yt), accuracy, batch_size=32, mesh=one_device_mesh)
@@ -272,18 +257,8 @@ def test_the_average_is_sharded_as_the_params(digits, tmp_path, eight_device_mes
 
 @pytest.mark.slow
 def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_with_the_average(tmp_path):
-    from test_robust import Child, child_env, progress_at_least
-    env = child_env()
-    ref = Child("ema", tmp_path / "ref", env, tmp_path / "ref.err")
-    assert ref.finish() == 0, ref.stderr_tail()
-    child = Child("ema", tmp_path / "run", env, tmp_path / "run.err")
-    assert child.wait_for(progress_at_least(27)) is not None, child.stderr_tail()  # epoch 2
-    child.kill(signal.SIGKILL)
-    assert child.proc.wait() == -signal.SIGKILL
-    final = Child("ema", tmp_path / "run", env, tmp_path / "final.err")
-    assert final.finish() == 0, final.stderr_tail()
-    assert np.array_equal(np.load(tmp_path / "run" / "final.npy"),
-                          np.load(tmp_path / "ref" / "final.npy"))
+    from test_robust import killed_once_and_resumed
+    ref, final = killed_once_and_resumed("ema", tmp_path)  # (final params etc. bitwise)
     got, want = final.result()["history"], ref.result()["history"]
     assert got["eval_ema/accuracy"] == want["eval_ema/accuracy"]
     assert len(got["eval_ema/accuracy"]) == 4
@@ -299,16 +274,9 @@ def test_an_nnx_ema_outside_wrt_loads_weights_only_without_the_optimizer(
 
     from conftest import fit_at
 
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.a, self.b = nnx.Linear(64, 16, rngs=rngs), nnx.Linear(16, 10, rngs=rngs)
-
-        def __call__(self, x):
-            return self.b(nnx.relu(self.a(x.reshape(x.shape[0], -1))))
-
     class Diffusion(nnx.Module):
-        def __init__(self, rngs):
-            self.net = Net(rngs)
+        def __init__(self, seed):
+            self.net = nnx_mlp(seed)
             self.ema = nnx.EMA(self.net, decay=0.9)
 
         def __call__(self, x):
@@ -318,17 +286,17 @@ def test_an_nnx_ema_outside_wrt_loads_weights_only_without_the_optimizer(
     loss = lambda logits, labels: optax.softmax_cross_entropy_with_integer_labels(
         logits, labels).mean()
     for writer in (fit, fit_at("93d6bda", tmp_path, monkeypatch).fit):
-        model = Diffusion(nnx.Rngs(0))
+        model = Diffusion(0)
         model.ema.params["a"]["bias"][...] = 7.0  # (the average differs from the net's weights)
         optimizer = nnx.Optimizer(model, optax.adam(1e-2),
                                   wrt=nnx.All(nnx.Param, nnx.PathContains("net")))
         _, history = writer(model, (x[:64], y[:64]), loss_fn=loss, optimizer=optimizer,
                             batch_size=32, workdir=str(tmp_path / writer.__module__), verbose=0,
                             mesh=one_device_mesh)
-        loaded = load_ckpt(Diffusion(nnx.Rngs(1)), history.ckpt_dir, "last", weights_only=True)
+        loaded = load_ckpt(Diffusion(1), history.ckpt_dir, "last", weights_only=True)
         want = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         _close(nnx.to_pure_dict(nnx.state(loaded, nnx.Param)), want, atol=0)
         assert float(loaded.ema.params["a"]["bias"][0]) == 7.0
     # A model that does not fit still says what differs.
     with pytest.raises(ValueError, match="does not fit this state"):
-        load_ckpt(Net(nnx.Rngs(1)), history.ckpt_dir, "last", weights_only=True)
+        load_ckpt(nnx_mlp(1), history.ckpt_dir, "last", weights_only=True)

@@ -218,6 +218,23 @@ class Child:
             return json.load(f)
 
 
+def killed_once_and_resumed(mode, tmp_path, at_step=27):
+    """An uninterrupted run of `mode`, then the same run SIGKILLed once past `at_step` (mid-epoch
+    2 of _child.py's kill runs) and resumed to the end: `(reference, resumed)` Children."""
+    env = child_env()
+    ref = Child(mode, tmp_path / "ref", env, tmp_path / "ref.err")
+    assert ref.finish() == 0, ref.stderr_tail()
+    child = Child(mode, tmp_path / "run", env, tmp_path / "run.err")
+    assert child.wait_for(progress_at_least(at_step)) is not None, child.stderr_tail()
+    child.kill(signal.SIGKILL)
+    assert child.proc.wait() == -signal.SIGKILL
+    final = Child(mode, tmp_path / "run", env, tmp_path / "final.err")
+    assert final.finish() == 0, final.stderr_tail()
+    assert np.array_equal(np.load(tmp_path / "run" / "final.npy"),
+                          np.load(tmp_path / "ref" / "final.npy"))
+    return ref, final
+
+
 def progress_at_least(step):
     """A child's progress line (LOG/EVAL/EPOCH <step>) at or past `step`."""
     def predicate(line):
