@@ -692,6 +692,8 @@ class _Run:
     """What a hook sees: `event` (`train_start`, `log`, `epoch_end`, `eval`, `save` before a
     checkpoint, `train_end`), `step`, `epoch`, `state` (valid during the call only: the next step
     donates it), `metrics` (the interval's or epoch's train means, or the eval's), `history`,
+    `name` (`mnist_3`), `id` (the name and a hash of the checkpoint directory: the same on every
+    resume, another in another workdir; e.g. for `wandb.init(id=run.id, resume="allow")`),
     `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`,
     `stopped_early`, `interrupted`; it may set `stop` (final), `save`, and at train_end `state`. At
     `log`, `step` is the log step whose interval `metrics` covers and `state` is one call later:
@@ -705,6 +707,9 @@ class _Run:
         self.total_steps, self.num_epochs = plan.total, plan.num_epochs
         self.monitor, self.mode = best.monitor, best.mode
         self.log_dir, self.ckpt_dir, self.writer = ckpts.log_dir, ckpts.ckpt_dir, None
+        # The run's name, and an id that no other workdir's run of that name has (for trackers)
+        where = hashlib.sha256(os.path.abspath(ckpts.ckpt_dir).encode()).hexdigest()[:8]
+        self.name, self.id = ckpts.run, f"{ckpts.run}-{where}"
         history = self.history = History(progress.history)
         history.run, history.log_dir, history.ckpt_dir = ckpts.run, ckpts.log_dir, ckpts.ckpt_dir
         self.stopping = progress.stop if progress.final(plan.num_epochs, plan.max_steps) else None
@@ -849,11 +854,15 @@ class _Progress:
             raise ValueError(f"fit: run {run} was trained with seed={self.seed}; resume it with "
                              f"that seed, or start a fresh run.")
         if any(a is not None and b is not None and a != b for a, b in zip(self.batching, batching)):
-            raise ValueError(f"fit: run {run} was trained with a global batch size of "
-                             f"{self.batching[0]} and {self.batching[1]} batches per epoch; this "
-                             f"call feeds {batching[0]} and {batching[1]}, so it would not go on "
-                             f"where the run stopped. Resume it with its own batch size and "
-                             f"data, or start a fresh run (resume=False).")
+            n, processes = self.batching[0], jax.process_count()
+            option = "" if n is None or n % processes else (
+                f" (arrays (x, y): batch_size={n // processes}"
+                f"{f' in each of the {processes} processes' if processes > 1 else ''})")
+            raise ValueError(f"fit: run {run} was trained with a global batch size of {n} and "
+                             f"{self.batching[1]} batches per epoch; this call feeds "
+                             f"{batching[0]} and {batching[1]}, so it would not go on where the "
+                             f"run stopped. Resume it with its own batch size{option} and data, "
+                             f"or start a fresh run (resume=False).")
 
     def final(self, num_epochs, max_steps):
         """Whether a hook ended the run for good: it goes on only if asked to go further."""

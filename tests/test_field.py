@@ -174,6 +174,7 @@ def test_resuming_with_another_batch_size_is_refused_before_training(tmp_path, o
         fit.fit(tiny_state(), arrays(128), batch_size=32, num_epochs=2, resume=True, **kwargs)
     message = str(e.value)
     assert "global batch size of 64" in message and "32" in message, message
+    assert "batch_size=64)" in message, message  # the option to pass (#31)
     assert "resume=False" in message, message  # the fix
     assert committed_steps(ckpt_dir) == [2] and tmp_dirs(ckpt_dir) == []  # nothing trained
 
