@@ -351,9 +351,8 @@ def fit(state, train_ds, test_ds=None, **options):
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
     steps = _build_steps(state, train, test, _StepConfig.of(opts, forward, eval_step, mesh), mesh)
-    ema = test is not None and opts.ema_eval and _ema_params(getattr(state, "opt_state", None)) \
-        is not None
-    plan = _Plan(opts, train, test, steps.train_names, steps.eval_names, ema)
+    averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's, inside)
+    plan = _Plan(opts, train, test, steps.train_names, steps.eval_names, averaged)
     verbose = _verbosity(opts.verbose)
     _check_schedule(state, opts, plan.total)
 
@@ -384,7 +383,7 @@ def fit(state, train_ds, test_ds=None, **options):
             ckpts.open()
             run.call("train_start", state, step, epoch)
             meter = _Meter(steps, opts, progress.meter, step)  # its clock starts here
-            evaluate = functools.partial(_evaluations, steps, test, put, meter, plan.ema)
+            evaluate = functools.partial(_evaluations, steps, test, put, meter, ema=plan.ema)
             end_epoch = functools.partial(_end_epoch, run=run, meter=meter, plan=plan,
                                           evaluate=evaluate)
             save = functools.partial(_save, base=base, run=run, meter=meter, ckpts=ckpts,
@@ -394,7 +393,7 @@ def fit(state, train_ds, test_ds=None, **options):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
                                    opts.max_steps, meter.said)
                 for batch, position, k, last in _prefetch(batches, put):
-                    state = meter.train(steps, state, batch, k, (epoch, position[0] - k))
+                    state = meter.train(steps, state, batch, k, epoch, position)
                     step += k
                     stop = signals.reason or ckpts.preempted()  # (several processes: each call)
                     if step < due and not (last or stop):
@@ -433,7 +432,7 @@ def fit(state, train_ds, test_ds=None, **options):
 
 # -- The rest of the public API: restoring, evaluating, the history ----------------------------
 
-def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, ema=False):
+def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *, ema=False):
     """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`).
     `step`: a step number, `"last"`/`None` or `"best"` (the best the latest checkpoint knows).
     `state` gives the structure, shapes and shardings (build it as for training), not values. An
@@ -477,7 +476,8 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, em
         placed = _place_state(state, 0, replicated)
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
-        restored = _restore(mgr, step, placed, "load_ckpt", weights_only, ema)[0]
+        restored = _restore(mgr, step, placed, "load_ckpt", weights_only=weights_only,
+                            ema=ema)[0]
         if weights_only and hasattr(state, "rng"):  # (placing filled a None rng, from seed 0)
             restored = restored.replace(rng=state.rng)
         return restored
@@ -908,7 +908,7 @@ def _save(state, step, epoch, position, *, base, run, meter, ckpts, verbose):
                       f"continue with resume=True.")
 
 
-def _evaluations(steps, test, put, meter, ema, state):
+def _evaluations(steps, test, put, meter, state, *, ema=False):
     """An eval's metrics, `eval/<name>`; with `ema`, the average's too, `eval_ema/<name>`."""
     out = {f"eval/{k}": v for k, v in _evaluate(steps, test, put, meter, state).items()}
     if ema:
@@ -1217,16 +1217,17 @@ def _putter(mesh, data_axis):
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
 
-    def __init__(self, opts, train, test, train_names, eval_names, ema=False):
+    def __init__(self, opts, train, test, train_names, eval_names, averaged=False):
         self.num_epochs, self.max_steps = opts.num_epochs, opts.max_steps
         self.steps_per_epoch = opts.steps_per_epoch or train.length
         planned = self.steps_per_epoch and self.steps_per_epoch * opts.num_epochs
         self.total = min([n for n in (planned, opts.max_steps) if n], default=None)
         self.every = {"log": opts.log_every, "ckpt": opts.ckpt_every,
                       "eval": opts.eval_every if test is not None else None}
-        self.eval_freq, self.has_test, self.ema = opts.eval_freq, test is not None, ema
+        self.eval_freq, self.has_test = opts.eval_freq, test is not None
+        self.ema = averaged and opts.ema_eval and test is not None  # evals of the average too
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, train_names, eval_names,
-                                                ema)
+                                                self.ema)
         self._check_one_shot(train, test, opts)
 
     def due(self, name, step, k=1):
@@ -1478,7 +1479,7 @@ def _default_train_step(config):
         stats = getattr(state, "batch_stats", {})
         if config.grad_accum > 1:
             grads, loss, metrics, stats = _accumulate(loss_of, state.params, stats, batch, rng,
-                                                      config)
+                                                      config=config)
         else:
             (_, (loss, metrics, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
                 state.params, stats, batch, rng)
@@ -1492,7 +1493,7 @@ def _default_train_step(config):
     return train_step
 
 
-def _accumulate(loss_of, params, stats, batch, rng, config):
+def _accumulate(loss_of, params, stats, batch, rng, *, config):
     """`(grads, loss, metrics, stats)` of a batch as `grad_accum` microbatches in a rolled scan
     (the j-th slice of each device's rows: no data moves between devices): the gradients of the
     losses' totals (a mean loss: mean x rows) and the weights summed, divided once; metrics as
@@ -1655,8 +1656,10 @@ def _param_norm(state):
 
 
 # Where the norms are computed at every step (the accumulator keeps a log step's), not under a
-# lax.cond: on a GPU a conditional copies its predicate to the host and blocks the host until the
-# device is done, so every step's dispatch would wait for the device. (TPUs branch on device.)
+# lax.cond (#28): XLA's GPU runtime may copy a conditional's predicate to the host and block it
+# until the device is done, so every dispatch would wait. Measured on one H100 (jax 0.11.2) a cond
+# did not block the host, and the norms at every step cost 2-10% (benchmarks/README.md): the rule
+# is kept as the safe side, pending a decision. The CPU measured the cond faster.
 _NO_COND = ("gpu",)
 
 
@@ -1807,10 +1810,10 @@ class _Meter:
         self.t0 = self.t_ready = self.t_logged = time.perf_counter()
         self.t_end = None
 
-    def train(self, steps, state, batch, k, at=None):
+    def train(self, steps, state, batch, k, epoch=0, position=(0, None)):
         """Dispatches step n (or k steps); only a new batch shape waits, to time its compile. A
-        new shape that fails to trace (a model built for the first) is named, `at`: (epoch, batch
-        index)."""
+        new shape that fails to trace (a model built for the first) is named, with `epoch` and
+        the batch's `position` in it."""
         self.spent["data"][0] += time.perf_counter() - self.t_ready
         shape = (k, *(a.shape for a in jax.tree.leaves(batch)))
         if shape != self.shape:  # (length buckets: a new shape)
@@ -1830,7 +1833,8 @@ class _Meter:
                     raise
                 first = next(iter(self.compiled))
                 raise ValueError(f"fit: the train step failed on the batch of shapes {shape[1:]}"
-                                 f" (epoch {at[0] + 1}, batch {at[1]}), which differ from the first"
+                                 f" (epoch {epoch + 1}, batch {position[0] - k}), which differ "
+                                 f"from the first"
                                  f" batch's {first[1:]}: does the model take inputs of that shape? "
                                  f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
             self.compiled[shape] = True  # (a dict: the first shape comes first)
@@ -2093,7 +2097,7 @@ def _open(ckpt_dir, options):
     return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
 
 
-def _restore(mgr, step, state, who, weights_only=False, ema=False):
+def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
     """`(state, meta)` of `step`, into `state`'s structure, shapes, shardings (`weights_only`: its
     `params` and `batch_stats`, into a state with any optimizer; `ema`: the average as params)."""
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),

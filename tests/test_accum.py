@@ -228,8 +228,8 @@ def test_a_new_feature_shape_gets_fits_error(tmp_path, one_device_mesh, digits):
              "nnx": (model, dict(optimizer=nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param),
                                  loss_fn=lambda o, t: loss_fn(o, t)[0]))}
     for name, (state, kwargs) in cases.items():
-        with pytest.raises(ValueError, match=r"failed on the batch of shapes \(\(32, 32\), \(32,\)\)"
-                                             r" \(epoch 1, batch 1\), which differ from the first "
-                                             r"batch's \(\(32, 64\), \(32,\)\)") as e:
+        want = (r"failed on the batch of shapes \(\(32, 32\), \(32,\)\) \(epoch 1, batch 1\), "
+                r"which differ from the first batch's \(\(32, 64\), \(32,\)\)")
+        with pytest.raises(ValueError, match=want) as e:
             fit(state, batches, mesh=one_device_mesh, **common(tmp_path / name), **kwargs)
         assert e.value.__cause__ is not None, name

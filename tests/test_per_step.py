@@ -183,8 +183,8 @@ def _config_and_steps(platform, monkeypatch, mesh, digits):
 
 
 def test_on_a_gpu_the_step_holds_no_conditional(monkeypatch, one_device_mesh, digits):
-    # XLA's GPU runtime copies a conditional's predicate to the host and blocks the host until
-    # the device is done: one in the step would make every dispatch wait for the device.
+    # #28's rule (XLA's GPU runtime may read a conditional's predicate back and block the host
+    # until the device is done): the GPU setting compiles no conditional into the step.
     config, conditional = _config_and_steps("gpu", monkeypatch, one_device_mesh, digits)
     assert config.norms_every_step
     assert not conditional
