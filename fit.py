@@ -27,7 +27,8 @@ nnx model with `optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param)`; `(x, y)` arr
 model called as `apply_fn({"params", "batch_stats"}, inputs, train=True, mutable=["batch_stats"],
 rngs={"dropout": fold_in(rng, step)})` (another model: `train_step(state, batch[, rng]) ->
 (state, metrics)`); `eval_step(state, batch)`, per-batch means that fit weights by batch size
-(exact over the eval set); hooks `hook(event, run)` that may set `run.stop`, `run.save` (`_Run`).
+(exact over the eval set; `test_ds` may be a dict of named sets, each logged as
+`eval/<name>/<metric>`); hooks `hook(event, run)` that may set `run.stop`, `run.save` (`_Run`).
 
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
 that order, each opened by a banner comment. The map:
@@ -212,15 +213,16 @@ class Options:
     batch_keys: `(inputs_key, targets_key)` of dict batches; every function then gets pairs.
     eval_freq=1: epochs between evals; the last epoch always evaluates.
     eval_every: steps between evals, instead of `eval_freq` (the end evaluates too).
-    eval_steps: at most this many eval batches.
+    eval_steps: at most this many eval batches; with named eval sets, for each, or a dict by set.
     ema_eval=True: with `ema(tx)` as the optimizer, every eval also runs on the average's params
         (`eval_ema/<metric>`, with the state's BatchNorm statistics as they are); False skips it.
     log_every=50: steps between train logs (bar, TensorBoard, `log` hooks): the interval's means.
     ckpt_interval=300.0: seconds from a save to the next, due at the first log point after.
     ckpt_every: steps between checkpoints, exactly, besides those of `ckpt_interval`.
     max_to_keep=1: best checkpoints kept (by `monitor`), besides the latest.
-    monitor: the best checkpoint's metric; None: `eval/accuracy`, `eval/loss`, ..., `train/loss`;
-        with `ema(tx)` also `eval_ema/<metric>`, the average's.
+    monitor: the best checkpoint's metric; None: `eval/accuracy`, `eval/loss`, ..., `train/loss`
+        (named sets: the first set's, `eval/<set>/accuracy`, ...); with `ema(tx)` also
+        `eval_ema/...`, the average's.
     mode="auto": "min" or "max"; "auto" reads the monitor's name (loss, accuracy, ...) or raises.
     log_name="run": runs are `<log_name>_<n>`, in `<workdir>/logs/` and `<workdir>/checkpoints/`.
     workdir: where `logs/` and `checkpoints/` go; None: the current directory. No URLs: mount them.
@@ -260,7 +262,7 @@ class Options:
     batch_keys: Any = None
     eval_freq: int = 1
     eval_every: int | None = None
-    eval_steps: int | None = None
+    eval_steps: int | dict | None = None
     ema_eval: bool = True
     log_every: int = 50
     ckpt_interval: float = 300.0
@@ -324,7 +326,7 @@ class Options:
 
 def fit(state, train_ds, test_ds=None, **options):
     """Trains `state` (a TrainState, or an nnx model with `optimizer=`) on `train_ds`, evaluating on
-    `test_ds`; `options` are the fields of `Options`. Returns `(state, history)`: a trained copy of
+    `test_ds` (one set, or `{name: set}`, every set at every eval); `options`: those of `Options`. Returns `(state, history)`: a trained copy of
     the state (the caller's stays usable), or the nnx model updated in place; and a `History`. A
     second call with the same functions, optimizer object, batch shapes and placement compiles
     nothing (an nnx model compiles anew). A resume goes on from the run's latest checkpoint with the
@@ -343,16 +345,16 @@ def fit(state, train_ds, test_ds=None, **options):
             state, opts.optimizer, nnx_loss_fn=opts.nnx_loss_fn, eval_step=opts.eval_step)
     mesh = _mesh(opts, state)
     train = _Data(train_ds, "train_ds", opts, train=True)
-    test = None if test_ds is None else _Data(test_ds, "test_ds", opts, train=False)
-    _check_data(train, test, opts, mesh)
+    tests = _eval_sets(test_ds, "test_ds", opts)  # {name: _Data}; one set's name is None
+    _check_data(train, tests, opts, mesh)
 
     # 2. Place a private copy of the state on the devices.
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
-    steps = _build_steps(state, train, test, _StepConfig.of(opts, forward, eval_step, mesh), mesh)
+    steps = _build_steps(state, train, tests, _StepConfig.of(opts, forward, eval_step, mesh), mesh)
     averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's, inside)
-    plan = _Plan(opts, train, test, steps.train_names, steps.eval_names, averaged)
+    plan = _Plan(opts, train, tests, steps.train_names, steps.eval_names, averaged)
     verbose = _verbosity(opts.verbose)
     _check_schedule(state, opts, plan.total)
 
@@ -373,7 +375,8 @@ def fit(state, train_ds, test_ds=None, **options):
         ckpts.close()
         return finish(run.end(state, step, epoch)), run.history
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
-                  f"{step} on {mesh.size} device(s); tensorboard --logdir {ckpts.logs}")
+                  f"{step} on {mesh.size} device(s), best by {plan.monitor} ({plan.mode}); "
+                  f"tensorboard --logdir {ckpts.logs}")
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one step late, when the device has finished them.
@@ -383,7 +386,7 @@ def fit(state, train_ds, test_ds=None, **options):
             ckpts.open()
             run.call("train_start", state, step, epoch)
             meter = _Meter(steps, opts, progress.meter, step)  # its clock starts here
-            evaluate = functools.partial(_evaluations, steps, test, put, meter, ema=plan.ema)
+            evaluate = functools.partial(_evaluations, steps, tests, put, meter, ema=plan.ema)
             end_epoch = functools.partial(_end_epoch, run=run, meter=meter, plan=plan,
                                           evaluate=evaluate)
             save = functools.partial(_save, base=base, run=run, meter=meter, ckpts=ckpts,
@@ -488,10 +491,11 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
 def evaluate(state, ds, eval_step=None, **options):
     """The metrics of `state` (a TrainState, or an nnx model) over all of `ds`, `{name: value}`:
     the same exact, sharded, weighted eval that `fit` runs, e.g. `evaluate(state, (x, y),
-    eval_step, batch_size=256)`. `options`: those of `fit` about the data and the placement
-    (`batch_size`, `batch_keys`, `eval_steps`, `mesh`, `state_sharding`); without `eval_step`,
-    `loss_fn` or `nnx_loss_fn` gives the loss. The optimizer state is not read, and a second call
-    with the same functions and kinds of batches compiles nothing (an nnx model compiles anew)."""
+    eval_step, batch_size=256)`; `ds` a dict of named sets (as `fit`'s `test_ds`): `{set: {name:
+    value}}`. `options`: those of `fit` about the data and the placement (`batch_size`,
+    `batch_keys`, `eval_steps`, `mesh`, `state_sharding`); without `eval_step`, `loss_fn` or
+    `nnx_loss_fn` gives the loss. The optimizer state is not read, and a second call with the same
+    functions and kinds of batches compiles nothing (an nnx model compiles anew)."""
     opts = Options.of({**options, "eval_step": eval_step})
     forward = _linen_forward
     if _is_nnx(state):
@@ -502,16 +506,17 @@ def evaluate(state, ds, eval_step=None, **options):
     if hasattr(opts.state_sharding, "opt_state"):  # (a tree like the state: the same, lean)
         opts = dataclasses.replace(opts, state_sharding=lean(opts.state_sharding))
     mesh, state = _mesh(opts, state), lean(state)
-    test = _Data(ds, "ds", opts, train=False)
+    tests = _eval_sets(ds, "ds", opts)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     config = _StepConfig.of(opts, forward, eval_step, mesh)
-    key = ("eval", config, mesh, _kinds(test.spec), jax.tree.structure(state),
-           tuple(x.sharding for x in jax.tree.leaves(state)))
-    eval_fn, names = _cached(key, forward is _linen_forward,
-                             lambda: _eval_step(state, test, config, mesh))
-    eval0 = jax.device_put(np.zeros(2 * len(names) + 1, np.float32), NamedSharding(mesh, P()))
-    steps = _Steps(None, None, eval_fn, None, None, eval0, [], [], names, False)
-    return _evaluate(steps, test, _putter(mesh, opts.axis_name or "data"), None, state)
+    key = ("eval", config, mesh, tuple((n, _kinds(t.spec)) for n, t in tests.items()),
+           jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
+    fns, names = _cached(key, forward is _linen_forward,
+                         lambda: _eval_steps(state, tests, config, mesh))
+    steps = _Steps(None, None, fns, None, None, _zeros(names, mesh), [], [], names, False)
+    put = _putter(mesh, opts.axis_name or "data")
+    out = {name: _evaluate(steps, name, test, put, None, state) for name, test in tests.items()}
+    return out if isinstance(ds, dict) else out[None]
 
 
 class History(dict):
@@ -619,7 +624,7 @@ class ProgressBar:
         epoch = min(run.epoch + 1, run.num_epochs)  # (at train_end, a finished run's last)
         self.bar.set_description(f"epoch {epoch}/{run.num_epochs}", refresh=False)
         names = ["train/loss"] + ([run.monitor] if run.monitor != "train/loss" else [])
-        parts = [f"{n.split('/')[-1]}={self.shown[n]:.4g}" for n in names if n in self.shown]
+        parts = [f"{n.split('/', 1)[-1]}={self.shown[n]:.4g}" for n in names if n in self.shown]
         if rate := self.shown.get("perf/steps_per_s"):
             parts.append(f"{rate:.3g} steps/s")
             if run.total_steps:
@@ -908,33 +913,68 @@ def _save(state, step, epoch, position, *, base, run, meter, ckpts, verbose):
                       f"continue with resume=True.")
 
 
-def _evaluations(steps, test, put, meter, state, *, ema=False):
-    """An eval's metrics, `eval/<name>`; with `ema`, the average's too, `eval_ema/<name>`."""
-    out = {f"eval/{k}": v for k, v in _evaluate(steps, test, put, meter, state).items()}
+def _evaluations(steps, tests, put, meter, state, *, ema=False):
+    """An eval's metrics, every set's: `eval/<metric>`, or `eval/<set>/<metric>` for named sets;
+    with `ema`, the average's too, `eval_ema/...`."""
+    states = {"eval": state}
     if ema:
-        averaged = state.replace(params=_ema_params(state.opt_state))
-        out |= {f"eval_ema/{k}": v for k, v in _evaluate(steps, test, put, meter, averaged).items()}
-    return out
+        states["eval_ema"] = state.replace(params=_ema_params(state.opt_state))
+    return {_metric_tag(part, name, k): v for part, of in states.items()
+            for name, test in tests.items()
+            for k, v in _evaluate(steps, name, test, put, meter, of).items()}
 
 
-def _evaluate(steps, test, put, meter, state):
-    """Metrics over the eval set, summed on device, read once (`meter`: evals out of the rate)."""
+def _metric_tag(part, eval_set, metric):
+    """`eval/accuracy`, or with a named eval set `eval/val/accuracy`."""
+    return f"{part}/{metric}" if eval_set is None else f"{part}/{eval_set}/{metric}"
+
+
+def _evaluate(steps, name, test, put, meter, state):
+    """Metrics over one eval set, summed on device, read once (`meter`: evals out of the rate)."""
     with meter.timed("eval") if meter else contextlib.nullcontext():
-        acc = steps.eval0
+        acc, step = steps.eval0[name], steps.eval[name]
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), put):
-            acc = steps.eval(state, acc, batch)
+            acc = step(state, acc, batch)
         *sums, batches = jax.device_get(acc).tolist()
     if not batches:
-        raise ValueError("fit: test_ds yielded no batches; a generator can be iterated only "
-                         "once: pass a list or a re-iterable loader.")
-    m = len(steps.eval_names)
-    return {k: _mean(k, total, weight, "eval_step", "the eval set")
-            for k, total, weight in zip(steps.eval_names, sums[:m], sums[m:])}
+        raise ValueError(f"fit: {test.name} yielded no batches; a generator can be iterated "
+                         f"only once: pass a list or a re-iterable loader.")
+    names = steps.eval_names[name]
+    return {k: _mean(k, total, weight, "eval_step", f"the eval set {test.name}")
+            for k, total, weight in zip(names, sums[:len(names)], sums[len(names):])}
 
 
 # -- Data: batches, their positions for a resume; steps_per_jit's groups; prefetch, placement --
 
 _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
+
+
+def _eval_sets(ds, who, opts):
+    """The eval data as `{name: _Data}`: a dict's named sets, or one set named None; each capped
+    by `eval_steps` (an int for all, a dict by name)."""
+    if ds is None:
+        return {}
+    caps = opts.eval_steps
+    if not isinstance(ds, dict):
+        if isinstance(caps, dict):
+            raise ValueError(f"fit: eval_steps is a dict by eval set, but {who} is one set, not a "
+                             f"dict of named sets; pass eval_steps=<int>.")
+        return {None: _Data(ds, who, opts, train=False, eval_steps=caps)}
+    if not ds or all(hasattr(v, "__array__") for v in ds.values()):
+        raise ValueError(f"fit: a dict {who} is named eval sets {{name: data}}, each value any "
+                         f"form of one set (arrays (x, y), batches), got "
+                         f"{'an empty dict' if not ds else f'a dict of arrays {list(ds)}'}."
+                         f"{'' if not ds else ' For one set of arrays, pass (x, y).'}")
+    bad = [n for n in ds if not (isinstance(n, str) and re.fullmatch(r"[\w.-]+", n))]
+    unknown = set(caps) - set(ds) if isinstance(caps, dict) else ()
+    if bad or unknown:
+        raise ValueError(f"fit: {who}'s eval sets are named by non-empty strings of letters, "
+                         f"digits, '_', '-' or '.' (they name the metrics, eval/<name>/<metric>)"
+                         f", and eval_steps by those names; got {bad or sorted(unknown)!r}.")
+    if not isinstance(caps, dict):
+        caps = dict.fromkeys(ds, caps)
+    return {name: _Data(data, f"{who}[{name!r}]", opts, train=False, eval_steps=caps.get(name))
+            for name, data in ds.items()}
 
 
 class _Data:
@@ -945,11 +985,11 @@ class _Data:
     with `get_state()`/`set_state()`, and a deterministic one-shot stream (`steps_per_epoch`
     batches an epoch)."""
 
-    def __init__(self, ds, name, opts, train):
+    def __init__(self, ds, name, opts, train, eval_steps=None):
         self.name, self.shuffle, self.seed = name, train, opts.seed
         self.keys = opts.batch_keys  # (custom functions take batches as they come)
         self.custom = (opts.train_step if train else opts.eval_step) or opts.nnx_loss_fn
-        self.steps_per_epoch = opts.steps_per_epoch if train else opts.eval_steps
+        self.steps_per_epoch = opts.steps_per_epoch if train else eval_steps
         # (x, y): two arrays, or anything np.asarray takes that has a shape (torch, tf tensors)
         self.arrays = isinstance(ds, (tuple, list)) and len(ds) == 2 and all(
             hasattr(a, "__array__") and len(getattr(a, "shape", ())) > 0 for a in ds)
@@ -1217,18 +1257,18 @@ def _putter(mesh, data_axis):
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
 
-    def __init__(self, opts, train, test, train_names, eval_names, averaged=False):
+    def __init__(self, opts, train, tests, train_names, eval_names, averaged=False):
         self.num_epochs, self.max_steps = opts.num_epochs, opts.max_steps
         self.steps_per_epoch = opts.steps_per_epoch or train.length
         planned = self.steps_per_epoch and self.steps_per_epoch * opts.num_epochs
         self.total = min([n for n in (planned, opts.max_steps) if n], default=None)
         self.every = {"log": opts.log_every, "ckpt": opts.ckpt_every,
-                      "eval": opts.eval_every if test is not None else None}
-        self.eval_freq, self.has_test = opts.eval_freq, test is not None
-        self.ema = averaged and opts.ema_eval and test is not None  # evals of the average too
+                      "eval": opts.eval_every if tests else None}
+        self.eval_freq, self.has_test = opts.eval_freq, bool(tests)
+        self.ema = averaged and opts.ema_eval and bool(tests)  # evals of the average too
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, train_names, eval_names,
                                                 self.ema)
-        self._check_one_shot(train, test, opts)
+        self._check_one_shot(train, tests, opts)
 
     def due(self, name, step, k=1):
         """Whether the steps (step - k, step] include a multiple of that period."""
@@ -1250,7 +1290,7 @@ class _Plan:
     def done(self, epoch, step):
         return epoch >= self.num_epochs or bool(self.max_steps and step >= self.max_steps)
 
-    def _check_one_shot(self, train, test, opts):
+    def _check_one_shot(self, train, tests, opts):
         fix = ("pass a re-iterable (a list, a loader, arrays (x, y) with batch_size=), "
                "steps_per_epoch= to take that many batches from the stream each epoch, or "
                "max_steps= for an endless stream")
@@ -1259,18 +1299,24 @@ class _Plan:
                              f"read only once, but num_epochs={opts.num_epochs}; {fix}.")
         evals = (math.ceil(self.total / opts.eval_every) if self.total else 2) if \
             opts.eval_every else math.ceil(opts.num_epochs / opts.eval_freq)
-        if test is not None and test.stream and evals > 1:
-            raise ValueError(f"fit: test_ds is a one-shot iterator (a generator), which can be "
-                             f"read only once, but this run evaluates about {evals} times; pass "
-                             f"a re-iterable (a list, a loader, arrays (x, y) with batch_size=).")
+        for test in tests.values():
+            if test.stream and evals > 1:
+                raise ValueError(f"fit: {test.name} is a one-shot iterator (a generator), which "
+                                 f"can be read only once, but this run evaluates about {evals} "
+                                 f"times; pass a re-iterable (a list, a loader, arrays (x, y) "
+                                 f"with batch_size=).")
 
 
 def _pick_monitor(monitor, mode, train_names, eval_names, ema=False):
-    names = [f"{part}/{n}" for part, part_names in (("train", train_names), ("eval", eval_names),
-             ("eval_ema", eval_names if ema else [])) for n in part_names]
-    if monitor is None:  # accuracy, else a loss, else the first eval metric, else the train loss
-        preferred = [n for n in ("accuracy", "loss") if n in eval_names] + eval_names
-        monitor = f"eval/{preferred[0]}" if preferred else "train/loss"
+    """`monitor` checked, or the default: the (first) eval set's accuracy, else its loss, else its
+    first metric, else the train loss; `mode` from the metric's own name (`eval/val/loss`: loss)."""
+    names = [f"train/{n}" for n in train_names] + [
+        _metric_tag(part, eval_set, n) for part in ("eval", "eval_ema")[:1 + ema]
+        for eval_set, metrics in eval_names.items() for n in metrics]
+    if monitor is None:
+        first, metrics = next(iter(eval_names.items()), (None, []))
+        preferred = [n for n in ("accuracy", "loss") if n in metrics] + metrics
+        monitor = _metric_tag("eval", first, preferred[0]) if preferred else "train/loss"
     if monitor not in names:
         raise ValueError(f"fit: monitor={monitor!r} is not a metric of this run; it has {names}.")
     if mode == "auto":
@@ -1325,21 +1371,26 @@ _Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 ev
 _STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
 
 
-def _build_steps(state, train, test, config, mesh):
+def _build_steps(state, train, tests, config, mesh):
     """The steps of an earlier call with the same `_StepConfig` (the functions and what traced
     code reads), optimizer (in the state's treedef), placement and kinds of batches, so that
     JAX's compile cache serves them (a notebook cell run again compiles nothing); else new ones."""
-    key = (config, mesh, _kinds(train.spec), test and _kinds(test.spec),
+    tests = tests or {}
+    key = (config, mesh, _kinds(train.spec), tuple((n, _kinds(t.spec)) for n, t in tests.items()),
            jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
     reuse = config.forward is _linen_forward  # (nnx closures hold the model: never kept)
-    steps = _cached(key, reuse, lambda: _new_steps(state, train, test, config, mesh))
-    replicated = NamedSharding(mesh, P())
+    steps = _cached(key, reuse, lambda: _new_steps(state, train, tests, config, mesh))
     # The sums start from zeros made here, not kept with the steps: a finished run leaves no array.
     acc0 = {"sums": np.zeros(2 * len(steps.acc_names) + 4, np.float32),
             "count": np.zeros(3, np.int32)}
-    eval0 = np.zeros(2 * len(steps.eval_names) + 1, np.float32)
-    return steps._replace(acc0=jax.device_put(acc0, replicated),
-                          eval0=jax.device_put(eval0, replicated) if steps.eval else None)
+    return steps._replace(acc0=jax.device_put(acc0, NamedSharding(mesh, P())),
+                          eval0=_zeros(steps.eval_names, mesh))
+
+
+def _zeros(eval_names, mesh):
+    """Each eval set's sums to start from: its metrics' totals and weights, and a batch count."""
+    return {name: jax.device_put(np.zeros(2 * len(names) + 1, np.float32),
+                                 NamedSharding(mesh, P())) for name, names in eval_names.items()}
 
 
 def _cached(key, reuse, build):
@@ -1359,7 +1410,7 @@ def _cached(key, reuse, build):
     return value
 
 
-def _new_steps(state, train, test, config, mesh):
+def _new_steps(state, train, tests, config, mesh):
     """Every jax.jit of the run, built once: the train step (alone, and scanned over `steps_per_jit`
     stacked batches) and the eval step, each summing metrics on device. The user's step is traced
     (eval_shape) for its metric names before any compile, and jitted alone, so that the real call
@@ -1395,16 +1446,25 @@ def _new_steps(state, train, test, config, mesh):
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
-    eval_fn, eval_names = _eval_step(state, test, config, mesh)
+    eval_fns, eval_names = _eval_steps(state, tests, config, mesh)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
-    return _Steps(train_1, train_k, eval_fn, param_norm, None, None, names, names + norms,
+    return _Steps(train_1, train_k, eval_fns, param_norm, None, None, names, names + norms,
                   eval_names, lr_of is not None)
+
+
+def _eval_steps(state, tests, config, mesh):
+    """Each eval set's jitted step and metric names, `{set: step}, {set: names}`: sets with the
+    same kinds of batches share one step (a batch shape compiles once, whichever set feeds it)."""
+    built = {}
+    for test in tests.values():
+        if _kinds(test.spec) not in built:
+            built[_kinds(test.spec)] = _eval_step(state, test, config, mesh)
+    each = {name: built[_kinds(test.spec)] for name, test in tests.items()}
+    return {n: fn for n, (fn, _) in each.items()}, {n: names for n, (_, names) in each.items()}
 
 
 def _eval_step(state, test, config, mesh):
     """The jitted eval step (adds a batch's totals and weights, rows for a mean), and the names."""
-    if test is None:
-        return None, []
     eval_step, forward, own = config.eval_step, config.forward, config.loss_name == "nnx_loss_fn"
     if eval_step is None and config.loss_fn is None and not own:
         raise ValueError("fit: pass eval_step=, or loss_fn= for an eval of the loss, to "
@@ -2422,11 +2482,11 @@ def _default_mesh():
     return Mesh(np.array(jax.devices()), ("data",)) if context.empty else context
 
 
-def _check_data(train, test, opts, mesh):
+def _check_data(train, tests, opts, mesh):
     """The batching, and that every process feeds the same batches' count and shapes (its share
     of each global batch): a mismatch would hang in a collective or silently train on mismatched
     arrays. Every process compares the same table, once, and raises the same error."""
-    if opts.batch_size is not None and not (train.arrays or (test is not None and test.arrays)):
+    if opts.batch_size is not None and not any(d.arrays for d in (train, *tests.values())):
         raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data (x, y), but "
                          f"train_ds and test_ds yield their own batches; drop batch_size.")
     n, d = train.batch_size, _local_shards(mesh, opts.axis_name or "data")
@@ -2446,7 +2506,7 @@ def _check_data(train, test, opts, mesh):
         raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
                          "needs steps_per_epoch= or max_steps=, so all run the same steps.")
     if jax.process_count() > 1:
-        _agree("; ".join(d.describe() for d in (train, test) if d is not None),
+        _agree("; ".join(d.describe() for d in (train, *tests.values())),
                "the processes' data disagree")
 
 
@@ -2522,8 +2582,10 @@ def _positive_int(value):
 _RULES = {  # option: (error, is a value valid?, what it must be); None passes if it is the default
     **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit",
                      "grad_accum",
-                     "ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "eval_steps",
-                     "batch_size"), (ValueError, _positive_int, "a positive integer")),
+                     "ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "batch_size"),
+                    (ValueError, _positive_int, "a positive integer")),
+    "eval_steps": (ValueError, lambda v: _positive_int(v) or isinstance(v, dict) and all(
+        map(_positive_int, v.values())), "a positive integer, or a dict {eval set: one}"),
     **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn", "nnx_loss_fn"),
                     (TypeError, callable, "a function")),
     "mode": (ValueError, lambda v: v in ("auto", "min", "max"), "'auto', 'min' or 'max'"),
