@@ -244,6 +244,7 @@ class Options:
         microbatches (<= k) that split it. Your own `train_step` accumulates on its own.
     hooks: functions `hook(event, run)`, called after the built-in ones (see `_Run`).
     verbose=1: 0: warnings only; 1: a bar and epoch lines; 2: the lines (1 too if TQDM_DISABLE=1).
+    peak_tflops: a device's peak TFLOP/s, for `perf/mfu` on a chip not in `_PEAK_TFLOPS`.
     tensorboard=True: False: no event files.
     on_nonfinite="raise": a NaN/Inf loss, metric or parameter raises `FloatingPointError` naming
         the step (no checkpoint after it); "skip" drops such updates (`train/skipped_steps`).
@@ -280,6 +281,7 @@ class Options:
     grad_accum: int = 1
     hooks: Any = ()
     verbose: int = 1
+    peak_tflops: float | None = None
     tensorboard: bool = True
     on_nonfinite: str = "raise"
     mesh: Any = None
@@ -513,7 +515,7 @@ def evaluate(state, ds, eval_step=None, **options):
            jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
     fns, names = _cached(key, forward is _linen_forward,
                          lambda: _eval_steps(state, tests, config, mesh))
-    steps = _Steps(None, None, fns, None, None, _zeros(names, mesh), [], [], names, False)
+    steps = _Steps(None, None, fns, None, None, _zeros(names, mesh), [], [], names, False, False)
     put = _putter(mesh, opts.axis_name or "data")
     out = {name: _evaluate(steps, name, test, put, None, state) for name, test in tests.items()}
     return out if isinstance(ds, dict) else out[None]
@@ -525,7 +527,11 @@ class History(dict):
     and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`:
     `compile_s`, `eval_s`, `save_s`, `finish_s` (the last save's commit), `close_s` (hooks'
     train_end, closing files), `data_s` (fetching batches), their `*_count` (not data's), `steps`,
-    `steady_steps_per_s` (without compiles, evals, saves, the commit and the closing), `wall_s`."""
+    `steady_steps_per_s` (without compiles, evals, saves, the commit and the closing), `wall_s`,
+    and the run's means of the `perf/` speeds (`_Meter.speed`): `examples_per_s`, `tokens_per_s`,
+    `tflops_per_s`, `mfu`, `memory_gb`, where known; and XLA's estimate of the compiled train
+    step's memory per device, `step_argument_bytes`, `step_output_bytes`, `step_temp_bytes`
+    (the largest of the batch shapes')."""
     run = log_dir = ckpt_dir = timing = None
 
 
@@ -1365,7 +1371,7 @@ class _StepConfig:
 
 
 _Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 acc_names "
-                                          "train_names eval_names lr_known")  # (_build_steps)
+                                          "train_names eval_names lr_known weighted_loss")
 
 
 _STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
@@ -1428,7 +1434,8 @@ def _new_steps(state, train, tests, config, mesh):
            if config.forward is _linen_forward else
            "nnx_loss_fn(model, batch, rngs) and eval_step(model, batch)")
     fix = None if user_step or config.loss_name == "nnx_loss_fn" else fix  # (fit calls it)
-    traced = _metric_names(_trace(step_fn, state, train.spec, config, fix)[1], who, "loss")
+    metrics = _as_dict(_trace(step_fn, state, train.spec, config, fix)[1], "loss")
+    traced = _metric_names(metrics, who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
     # The lr a step used, from the state after it: lr_fn(step), or inject_hyperparams' value.
@@ -1441,15 +1448,20 @@ def _new_steps(state, train, tests, config, mesh):
     one = functools.partial(_train_and_accumulate, _Train(step_fn, tuple(names), lr_of, config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
-    # k steps per call: a scan over a stacked group of k batches. XLA's CPU backend runs a rolled
-    # scan of convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster.
+    # k steps per call: a scan over a stacked group of k batches.
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
-        unroll=jax.default_backend() == "cpu")[0], donate_argnums=0, out_shardings=placement)
+        unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
     eval_fns, eval_names = _eval_steps(state, tests, config, mesh)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
     return _Steps(train_1, train_k, eval_fns, param_norm, None, None, names, names + norms,
-                  eval_names, lr_of is not None)
+                  eval_names, lr_of is not None, isinstance(metrics.get("loss"), Weighted))
+
+
+def _unrolled():
+    """Whether steps_per_jit's scan is unrolled: XLA's CPU backend runs a rolled scan of
+    convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster."""
+    return jax.default_backend() == "cpu"
 
 
 def _eval_steps(state, tests, config, mesh):
@@ -1849,6 +1861,22 @@ def _call_nnx_loss(fn, model, batch, rngs):
 
 # -- Train metrics and time on the host: read one step late, checked for NaN and Inf -----------
 
+# Dense bf16 peak TFLOP/s per chip (no sparsity), from the vendors' data sheets, for perf/mfu:
+# the first entry whose text is in a device's `device_kind` (`peak_tflops=` for any other).
+_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
+                ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0),
+                ("L4", 121.0), ("TPU v6 lite", 918.0),
+                ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0), ("TPU v3", 123.0))
+
+
+def _peak_tflops(device_kind):
+    return next((peak for name, peak in _PEAK_TFLOPS if name in device_kind), None)
+
+
+def _megabytes(n):
+    return f"{n / 1e6:.1f} MB"
+
+
 class _Meter:
     """The host side of train metrics and time: sums read one step late, so the host never waits,
     and checkpointed (`sums`), so a resumed run logs what an uninterrupted one would."""
@@ -1869,6 +1897,13 @@ class _Meter:
         self.spent_steps, self.data_logged = 0, 0.0
         self.t0 = self.t_ready = self.t_logged = time.perf_counter()
         self.t_end = None
+        # Speed beyond steps/s (speed()): the steady calls' rows and FLOPs, the loss's weights.
+        self.rows = self.flops = self.tokens = 0.0
+        self.summed, self.weighted = 0, steps.weighted_loss and "loss" in self.names
+        self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
+        self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
+        self.estimate = {}  # XLA's memory estimate of the compiled step, per device (the largest)
+        self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
 
     def train(self, steps, state, batch, k, epoch=0, position=(0, None)):
         """Dispatches step n (or k steps); only a new batch shape waits, to time its compile. A
@@ -1881,11 +1916,14 @@ class _Meter:
             self.changes.append((self.fed, shape))
         self.fed, self.calls = self.fed + k, self.calls + 1
         train = steps.train if k == 1 else steps.train_k
-        if shape in self.compiled:
+        if cost := self.compiled.get(shape):  # (rows, FLOPs per device) of a call of this shape
             state, self.acc = train(state, self.acc, batch)
+            self.rows, self.flops = self.rows + cost[0], self.flops + cost[1]
         else:  # one wait per new shape, so compile time is kept out of the rate
             try:
                 with self.timed("compile", k):
+                    # Compiled ahead, to read XLA's estimates; the call below reuses the executable.
+                    cost = self._analyse(train.lower(state, self.acc, batch).compile(), shape)
                     state, self.acc = jax.block_until_ready(train(state, self.acc, batch))
                     self.param_norm(state)  # (the check before saves compiles here, not at a save)
             except Exception as e:
@@ -1897,7 +1935,7 @@ class _Meter:
                                  f"from the first"
                                  f" batch's {first[1:]}: does the model take inputs of that shape? "
                                  f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
-            self.compiled[shape] = True  # (a dict: the first shape comes first)
+            self.compiled[shape] = cost  # (a dict: the first shape comes first)
             if len(self.compiled) == _MANY_SHAPES:
                 warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, "
                               f"and each new shape compiles the step again; pad them to a few "
@@ -1907,6 +1945,28 @@ class _Meter:
             self.inflight.popleft().block_until_ready()
         self.t_ready = time.perf_counter()
         return state
+
+    def _analyse(self, compiled, shape):
+        """A call's rows (all processes') and FLOPs per device, from XLA's cost analysis of its
+        executable, which counts a rolled loop's body once (grad_accum's scan; steps_per_jit's
+        off the CPU); the first shape's memory estimate is said before its step runs."""
+        k = shape[0]
+        rows = shape[1][k > 1] * k
+        cost = compiled.cost_analysis()
+        cost = (cost[0] if isinstance(cost, list) else cost) or {}
+        flops = cost.get("flops", 0.0) * (1 if k == 1 or _unrolled() else k) * self.grad_accum
+        memory = compiled.memory_analysis()
+        if memory is not None:
+            new = {f"step_{part}_bytes": getattr(memory, f"{part}_size_in_bytes")
+                   for part in ("argument", "output", "temp")}
+            if not self.estimate:
+                _say(self.verbose, f"fit: the compiled train step needs about "
+                                   f"{_megabytes(sum(new.values()))} per device (arguments "
+                                   f"{_megabytes(new['step_argument_bytes'])}, outputs "
+                                   f"{_megabytes(new['step_output_bytes'])}, temporaries "
+                                   f"{_megabytes(new['step_temp_bytes'])}: XLA's estimate).")
+            self.estimate = {key: max(v, self.estimate.get(key, 0)) for key, v in new.items()}
+        return rows, flops
 
     def read(self, step, log_due, sync=False):
         """`[(step, metrics)]` of the log points ready now: a log point's sums are read `_LAG`
@@ -1953,6 +2013,8 @@ class _Meter:
                           if k in self.norm_names}
             self.check(step, param_norm if math.isfinite(grad_norm) else grad_norm)
         values = {k: [float(t), float(w)] for k, t, w in zip(self.names, totals, weights)}
+        self.summed += n
+        self.tokens += values["loss"][1] if self.weighted else 0.0
         for part in (self.sums["log"], self.sums["epoch"]):
             part[0] += n
             part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
@@ -1971,6 +2033,7 @@ class _Meter:
         now, rate = time.perf_counter(), self.steady_rate(step)
         if rate:
             means["perf/steps_per_s"] = rate
+            means |= {f"perf/{k}": v for k, v in self.speed(step).items()}
         waited = self.spent["data"][0] - self.data_logged
         means["perf/data_wait_fraction"] = waited / max(now - self.t_logged, 1e-9)
         if self.spent["compile"][0] > self.compile_shown:  # at first, then for each new shape
@@ -2014,18 +2077,40 @@ class _Meter:
         if what == "finish":  # training ends here: closing writers and files after it is not
             self.t_end = self.t_ready
 
-    def steady_rate(self, step):
-        seconds = (self.t_end or time.perf_counter()) - self.t0 - sum(
+    def steady_seconds(self):
+        return (self.t_end or time.perf_counter()) - self.t0 - sum(
             s for k, (s, _) in self.spent.items() if k != "data")
-        steps = step - self.first_step - self.spent_steps
+
+    def steady_rate(self, step):
+        seconds, steps = self.steady_seconds(), step - self.first_step - self.spent_steps
         return steps / seconds if steps > 0 and seconds > 0 else None
+
+    def speed(self, step):
+        """Since the start of this call, over the steady time (as steps/s): `examples_per_s`,
+        the rows of the steady calls (leading dims, all processes); `tokens_per_s` for a
+        `Weighted` loss: its weights' mean per step (the steps read so far) x steps/s;
+        `tflops_per_s` per device; `mfu`, that over the device's dense bf16 peak (an fp32 model's
+        is low by design); `memory_gb`, the most a local device has held (not on CPU)."""
+        seconds, rate = self.steady_seconds(), self.steady_rate(step)
+        out = {"examples_per_s": self.rows / seconds} if rate else {}
+        if rate and self.weighted and self.summed:
+            out["tokens_per_s"] = self.tokens / self.summed * rate
+        if rate and self.flops:
+            out["tflops_per_s"] = self.flops / seconds / 1e12
+            if self.peak:
+                out["mfu"] = out["tflops_per_s"] / self.peak
+        if self.devices:  # (read at log points only: a query per device)
+            out["memory_gb"] = max(d.memory_stats().get("peak_bytes_in_use", 0)
+                                   for d in self.devices) / 1e9
+        return out
 
     def timing(self, step):
         now = time.perf_counter()
         return {**{f"{k}_s": s for k, (s, _) in self.spent.items()},
                 **{f"{k}_count": n for k, (_, n) in self.spent.items() if k != "data"},
                 "close_s": now - (self.t_end or now), "steps": step - self.first_step,
-                "steady_steps_per_s": self.steady_rate(step), "wall_s": now - self.t0}
+                "steady_steps_per_s": self.steady_rate(step), "wall_s": now - self.t0,
+                **self.speed(step), **self.estimate}
 
 
 # -- Checkpoints: the run's claim and lock, orbax, saves, restores, damaged steps --------------
@@ -2593,6 +2678,8 @@ _RULES = {  # option: (error, is a value valid?, what it must be); None passes i
     "on_nonfinite": (ValueError, lambda v: v in ("raise", "skip"), "'raise' or 'skip'"),
     "ckpt_interval": (ValueError, lambda v: isinstance(v, (int, float)) and v > 0,
                       "a positive number of seconds"),
+    "peak_tflops": (ValueError, lambda v: isinstance(v, (int, float)) and not isinstance(
+        v, bool) and v > 0, "a positive number (a device's dense TFLOP/s)"),
     "hooks": (TypeError, lambda v: isinstance(v, (list, tuple)) and all(map(callable, v)),
               "a list of functions hook(event, run)"),
     "hparams": (TypeError, lambda v: isinstance(v, dict), "a dict of name -> value"),

@@ -270,10 +270,12 @@ def test_tensorboard_scalars_and_hparams_in_the_run_dir(boundary):
     assert len(lr) == len(loss)
     assert all(LR / 2 <= v <= LR for v in lr) and lr == sorted(lr, reverse=True) and lr[0] > lr[-1]
     # What users expect beside the loss: norms and throughput at each log point, compile time.
-    # One speed (steps/s), and the compile time once: it is not a curve.
-    for tag in ("train/grad_norm", "train/param_norm", "perf/steps_per_s", "perf/data_wait_fraction"):
+    # Speeds (steps/s, and since #32 examples/s and TFLOP/s), and the compile time once: it is
+    # not a curve.
+    for tag in ("train/grad_norm", "train/param_norm", "perf/steps_per_s", "perf/data_wait_fraction",
+                "perf/examples_per_s", "perf/tflops_per_s"):
         assert [s for s, _ in tb_scalars(log_dir, tag)] == [s for s, _ in loss], tag
-    assert not tb_scalars(log_dir, "perf/seconds_per_step") + tb_scalars(log_dir, "perf/examples_per_s")
+    assert not tb_scalars(log_dir, "perf/seconds_per_step")
     compile_s = tb_scalars(log_dir, "perf/compile_s")
     assert len(compile_s) == 1 and compile_s[0][1] > 0  # includes the first step's compile
     acc = tb_scalars(log_dir, "eval/accuracy")
