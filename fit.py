@@ -88,6 +88,7 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tensorboardX import SummaryWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import hparams as hparams_summaries, scalar as scalar_summary
 from tqdm.auto import tqdm
@@ -197,6 +198,9 @@ def _is_eval(monitor):
     return monitor.split("/")[0] in ("eval", "eval_ema")
 
 
+_TRACED = {"traced": True}  # the mark of an option that traced code reads (see _StepConfig)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
     """Every option of `fit` (and the data and placement ones of `evaluate`), checked when built:
@@ -251,9 +255,9 @@ class Options:
     mesh: a Mesh with a "data" axis for batches; None: the state's, jax.set_mesh's, or all devices.
     state_sharding: the state's layout: a tree (or a function) of `PartitionSpec`s or shardings.
     axis_name: for pmap-era models: runs the step per device over the data axis, so named."""
-    loss_fn: Any = None
+    loss_fn: Any = dataclasses.field(default=None, metadata=_TRACED)
     eval_step: Any = None
-    train_step: Any = None
+    train_step: Any = dataclasses.field(default=None, metadata=_TRACED)
     optimizer: Any = None
     nnx_loss_fn: Any = None
     num_epochs: int = 1
@@ -265,7 +269,7 @@ class Options:
     eval_every: int | None = None
     eval_steps: int | dict | None = None
     ema_eval: bool = True
-    log_every: int = 50
+    log_every: int = dataclasses.field(default=50, metadata=_TRACED)
     ckpt_interval: float = 300.0
     ckpt_every: int | None = None
     max_to_keep: int = 1
@@ -275,10 +279,10 @@ class Options:
     workdir: str | None = None
     resume: bool | str = False
     hparams: dict | None = None
-    seed: int = 0
-    lr_fn: Any = None
+    seed: int = dataclasses.field(default=0, metadata=_TRACED)
+    lr_fn: Any = dataclasses.field(default=None, metadata=_TRACED)
     steps_per_jit: int = 1
-    grad_accum: int = 1
+    grad_accum: int = dataclasses.field(default=1, metadata=_TRACED)
     hooks: Any = ()
     verbose: int = 1
     peak_tflops: float | None = None
@@ -286,7 +290,7 @@ class Options:
     on_nonfinite: str = "raise"
     mesh: Any = None
     state_sharding: Any = None
-    axis_name: str | None = None
+    axis_name: str | None = dataclasses.field(default=None, metadata=_TRACED)
 
     @classmethod
     def of(cls, kwargs):
@@ -328,21 +332,24 @@ class Options:
 
 def fit(state, train_ds, test_ds=None, **options):
     """Trains `state` (a TrainState, or an nnx model with `optimizer=`) on `train_ds`, evaluating on
-    `test_ds` (one set, or `{name: set}`, every set at every eval); `options`: those of `Options`. Returns `(state, history)`: a trained copy of
-    the state (the caller's stays usable), or the nnx model updated in place; and a `History`. A
-    second call with the same functions, optimizer object, batch shapes and placement compiles
-    nothing (an nnx model compiles anew). A resume goes on from the run's latest checkpoint with the
-    state, the position in the data, the history, the best and the hooks' state, as an uninterrupted
-    run would; a finished run returns at once. A run that `max_steps` cut mid-epoch has a history
-    row and an eval there; resumed, the epoch's row at its end holds the whole epoch's means. A
-    hook's stop (`run.stop`) is final: fit called again returns the first call's state, unless
-    `num_epochs` or `max_steps` grew; a signal's stop is not (`_Signals`). A run killed outright
-    resumes from its last checkpoint; `_Checkpoints` says when they are written."""
+    `test_ds` (one set, or `{name: set}`, every set at every eval); `options`: those of `Options`.
+    Returns `(state, history)`: a trained copy of the state (the caller's stays usable), or the nnx
+    model updated in place; and a `History`. A second call with the same functions, optimizer
+    object, batch shapes and placement compiles nothing (an nnx model compiles anew), so a global
+    that your functions read keeps the value it had when they were traced (see `_cached`). A resume
+    goes on from the run's latest checkpoint with the state, the position in the data, the history,
+    the best and the hooks' state, as an uninterrupted run would; a finished run returns at once. A
+    run that `max_steps` cut mid-epoch has a history row and an eval there; resumed, the epoch's row
+    at its end holds the whole epoch's means. A hook's stop (`run.stop`) is final: fit called again
+    returns the first call's state, unless `num_epochs` or `max_steps` grew; a signal's stop is not
+    (`_Signals`). A run killed outright resumes from its last checkpoint; `_Checkpoints` says when
+    they are written."""
     # 1. Check everything that can be checked before touching the disk or compiling.
     opts = Options.of(options)
     _check_state(state, opts)
     forward, eval_step, finish = _linen_forward, opts.eval_step, lambda state: state
-    if _is_nnx(state):  # an nnx model trains as a TrainState of its variables
+    linen = not _is_nnx(state)
+    if not linen:  # an nnx model trains as a TrainState of its variables
         state, forward, eval_step, finish = _nnx_adapter(
             state, opts.optimizer, nnx_loss_fn=opts.nnx_loss_fn, eval_step=opts.eval_step)
     mesh = _mesh(opts, state)
@@ -354,7 +361,8 @@ def fit(state, train_ds, test_ds=None, **options):
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
-    steps = _build_steps(state, train, tests, _StepConfig.of(opts, forward, eval_step, mesh), mesh)
+    config = _StepConfig.of(opts, forward, eval_step, mesh, linen=linen)
+    steps = _build_steps(state, train, tests, config, mesh)
     averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's, inside)
     plan = _Plan(opts, train, tests, steps.train_names, steps.eval_names, averaged)
     verbose = _verbosity(opts.verbose)
@@ -387,7 +395,7 @@ def fit(state, train_ds, test_ds=None, **options):
         with _Signals() as signals:
             ckpts.open()
             run.call("train_start", state, step, epoch)
-            meter = _Meter(steps, opts, progress.meter, step)  # its clock starts here
+            meter = run.meter = _Meter(steps, opts, progress.meter, step)  # its clock starts
             evaluate = functools.partial(_evaluations, steps, tests, put, meter, ema=plan.ema)
             end_epoch = functools.partial(_end_epoch, run=run, meter=meter, plan=plan,
                                           evaluate=evaluate)
@@ -499,8 +507,8 @@ def evaluate(state, ds, eval_step=None, **options):
     `nnx_loss_fn` gives the loss. The optimizer state is not read, and a second call with the same
     functions and kinds of batches compiles nothing (an nnx model compiles anew)."""
     opts = Options.of({**options, "eval_step": eval_step})
-    forward = _linen_forward
-    if _is_nnx(state):
+    forward, linen = _linen_forward, not _is_nnx(state)
+    if not linen:
         state, forward, eval_step, _ = _nnx_adapter(state, opts.optimizer, "evaluate",
                                                     nnx_loss_fn=opts.nnx_loss_fn,
                                                     eval_step=eval_step)
@@ -510,10 +518,10 @@ def evaluate(state, ds, eval_step=None, **options):
     mesh, state = _mesh(opts, state), lean(state)
     tests = _eval_sets(ds, "ds", opts)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
-    config = _StepConfig.of(opts, forward, eval_step, mesh)
+    config = _StepConfig.of(opts, forward, eval_step, mesh, linen=linen)
     key = ("eval", config, mesh, tuple((n, _kinds(t.spec)) for n, t in tests.items()),
            jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
-    fns, names = _cached(key, forward is _linen_forward,
+    fns, names = _cached(key, config.linen,
                          lambda: _eval_steps(state, tests, config, mesh))
     steps = _Steps(None, None, fns, None, None, _zeros(names, mesh), [], [], names, False, False)
     put = _putter(mesh, opts.axis_name or "data")
@@ -526,8 +534,10 @@ class History(dict):
     (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` (and `eval_ema/...`) per eval,
     and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`:
     `compile_s`, `eval_s`, `save_s`, `finish_s` (the last save's commit), `close_s` (hooks'
-    train_end, closing files), `data_s` (fetching batches), their `*_count` (not data's), `steps`,
-    `steady_steps_per_s` (without compiles, evals, saves, the commit and the closing), `wall_s`,
+    train_end, closing files), `data_s` (fetching batches), `hooks_s` (your hooks'; and
+    `<name>_s` of `run.timed(name)`), their `*_count` (not data's), `steps`,
+    `steady_steps_per_s` (without compiles, evals, saves, your hooks, the commit and the
+    closing), `wall_s`,
     and the run's means of the `perf/` speeds (`_Meter.speed`): `examples_per_s`, `tokens_per_s`,
     `tflops_per_s`, `mfu`, `memory_gb`, where known; and XLA's estimate of the compiled train
     step's memory per device, `step_argument_bytes`, `step_output_bytes`, `step_temp_bytes`
@@ -664,13 +674,17 @@ class TensorBoard:
         if event == "train_start":
             # Purge the points from here on: a resume logs them again (0: a crashed try's too).
             purge = run.step + 1 if run.step else 0
-            run.writer = self.writer = SummaryWriter(run.log_dir, purge_step=purge)
+            run.writer = self.writer = SummaryWriter(run.log_dir)
             self.flushed = time.monotonic()
             # tensorboardX 2.6's flush() skips its writer thread's queue, so a killed run could
             # lose logs that its resume skips: write events directly. No public call drains that
             # queue (only close(), ending the writer): check this when tensorboardX passes 2.6.
             events = self.writer.file_writer.event_writer
             events.add_event = events._ev_writer.write_event
+            # The purge records (SummaryWriter's purge_step would queue them, behind what is
+            # written directly) come first: TensorBoard drops the points at or after them.
+            events.add_event(Event(step=purge, file_version="brain.Event:2"))
+            events.add_event(Event(step=purge, session_log=SessionLog(status=SessionLog.START)))
             if run.step == 0:  # once per run, at its start, so a crashed run shows them too
                 # Only the session's start, not an experiment summary: with one per run,
                 # TensorBoard shows the first it finds and hides the other runs' columns.
@@ -706,7 +720,8 @@ class _Run:
     `name` (`mnist_3`), `id` (the name and a hash of the checkpoint directory: the same on every
     resume, another in another workdir; e.g. for `wandb.init(id=run.id, resume="allow")`),
     `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`,
-    `stopped_early`, `interrupted`; it may set `stop` (final), `save`, and at train_end `state`. At
+    `stopped_early`, `interrupted`; it may set `stop` (final), `save`, and at train_end `state`
+    (at another event, assigning it raises); `with run.timed(name):` times a hook's own work. At
     `log`, `step` is the log step whose interval `metrics` covers and `state` is one call later:
     fit reads a log point's metrics after it dispatches the next step, so the host never waits for
     the device; at other events `state` is that of `step`. `_Run` calls the hooks, keeps the
@@ -726,7 +741,7 @@ class _Run:
         self.stopping = progress.stop if progress.final(plan.num_epochs, plan.max_steps) else None
         self.stopped_early = self.interrupted = self.stop = self.save = False
         self.event = self.step = self.epoch = self.state = None
-        self.metrics, self.last_eval = {}, None
+        self.metrics, self.last_eval, self.meter = {}, None, None  # (meter: set once it runs)
 
     best = property(lambda self: self.best_of.value)  # (the best monitored value so far)
 
@@ -738,9 +753,16 @@ class _Run:
         self.stopping = self.stopping or stop
         self.best_of.see(self.metrics, step)
         for i, hook in enumerate(self.hooks):
-            hook(event, self)
+            # Your hooks' time is left out of steps/s (`hooks_s`); the built-in ones' stays in.
+            with contextlib.nullcontext() if type(hook) in (ProgressBar, TensorBoard) else \
+                    self.timed("hooks"):
+                hook(event, self)
+            if self.state is not state and event != "train_end":
+                raise ValueError(f"fit: hook {_name(hook)} assigned run.state at {event!r}, "
+                                 f"where fit would ignore it: only at 'train_end' does a hook's "
+                                 f"state become the one fit returns.")
             if self.stop and not self.stopping:
-                self.stopping = getattr(hook, "__name__", type(hook).__name__)
+                self.stopping = _name(hook)
             if event == "train_start" and str(i) in self.hook_states and hasattr(hook, "set_state"):
                 hook.set_state(self.hook_states[str(i)])  # what it had at the checkpoint
         if jax.process_count() > 1 and event != "train_end":  # (a collective all reach)
@@ -752,6 +774,11 @@ class _Run:
             if most > kind:
                 self.stopping = "SIGINT" if most == 1 else "a hook on another process"
         return self.state
+
+    def timed(self, name):
+        """`with run.timed("upload"):` a hook's own work, as `history.timing["upload_s"]`; all of
+        your hooks' time is kept out of steps/s anyway, as `hooks_s`."""
+        return self.meter.timed(name) if self.meter else contextlib.nullcontext()
 
     def log(self, state, epoch, logged, *, save=lambda: False, stop=None):
         """The log events of the intervals `_Meter.read` returned; the wall-time schedule (`save()`,
@@ -1346,28 +1373,31 @@ def _pick_monitor(monitor, mode, train_names, eval_names, ema=False):
 @dataclasses.dataclass(frozen=True)
 class _StepConfig:
     """Exactly what traced code reads: the jitted steps are built from it and your functions, never
-    from `Options`, and cached by it, so an option a step comes to read cannot miss the key."""
-    forward: Any          # how fit calls the model: _linen_forward, or an nnx model's own
-    loss_fn: Any          # loss_fn(outputs, targets), given to forward (nnx_loss_fn: forward's)
+    from `Options`, and cached by it, so an option a step comes to read cannot miss the key. The
+    options marked `_TRACED` come in `options` and read as attributes (`config.seed`): an option
+    that traced code comes to read needs its mark, nothing more. The rest is derived here."""
+    forward: Any          # how fit calls the model: _linen_forward (or your wrapper), nnx's own
+    linen: bool           # a linen model (else nnx): its advice, and whether steps are kept
     loss_name: str        # "loss_fn" or "nnx_loss_fn", for messages
-    train_step: Any
-    eval_step: Any
-    lr_fn: Any
-    seed: int
-    log_every: int
-    axis_name: str | None
+    eval_step: Any        # (an nnx model's, adapted)
     skip: bool            # on_nonfinite="skip"
     norms_every_step: bool  # the log steps' norms computed at every step, without a lax.cond
-    grad_accum: int       # microbatches per batch
     shards: int           # over how many devices the step's batch rows are split (shard_map: 1)
+    options: tuple        # ((name, value), ...) of the options marked _TRACED
+
+    def __getattr__(self, name):  # (called only for a name that is not a field)
+        for key, value in self.__dict__.get("options", ()):
+            if key == name:
+                return value
+        raise AttributeError(f"_StepConfig has no {name!r}: mark the option _TRACED")
 
     @classmethod
-    def of(cls, opts, forward, eval_step, mesh):
+    def of(cls, opts, forward, eval_step, mesh, *, linen):
         shards = 1 if opts.axis_name else mesh.shape["data"]
-        return cls(forward, opts.loss_fn, _loss_name(opts), opts.train_step, eval_step,
-                   opts.lr_fn, opts.seed, opts.log_every, opts.axis_name,
-                   opts.on_nonfinite == "skip", _platform(mesh) in _NO_COND, opts.grad_accum,
-                   shards)
+        traced = tuple((f.name, getattr(opts, f.name)) for f in dataclasses.fields(opts)
+                       if f.metadata.get("traced"))
+        return cls(forward, linen, _loss_name(opts), eval_step, opts.on_nonfinite == "skip",
+                   _platform(mesh) in _NO_COND, shards, traced)
 
 
 _Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 acc_names "
@@ -1384,7 +1414,7 @@ def _build_steps(state, train, tests, config, mesh):
     tests = tests or {}
     key = (config, mesh, _kinds(train.spec), tuple((n, _kinds(t.spec)) for n, t in tests.items()),
            jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
-    reuse = config.forward is _linen_forward  # (nnx closures hold the model: never kept)
+    reuse = config.linen  # (nnx closures hold the model: never kept)
     steps = _cached(key, reuse, lambda: _new_steps(state, train, tests, config, mesh))
     # The sums start from zeros made here, not kept with the steps: a finished run leaves no array.
     acc0 = {"sums": np.zeros(2 * len(steps.acc_names) + 4, np.float32),
@@ -1400,7 +1430,10 @@ def _zeros(eval_names, mesh):
 
 
 def _cached(key, reuse, build):
-    """`build()`, or what it made for an equal `key`, kept among the 8 last used if `reuse`."""
+    """`build()`, or what it made for an equal `key`, kept among the 8 last used if `reuse`. The
+    key holds your functions, not what they read: a global that a loss reads (a scale, a flag) is
+    traced into the steps at their first call and stays so in the steps kept here, as in any
+    jax.jit; pass such a value in the state or the batch, or call `_STEPS.clear()`."""
     try:
         hash(key)
     except TypeError:  # (a function or an optimizer that cannot be a key)
@@ -1431,7 +1464,7 @@ def _new_steps(state, train, tests, config, mesh):
                                 out_specs=(P(), P()), check_vma=False)
     step_fn = jax.jit(_under(mesh, step_fn))
     fix = ("train_step(state, batch) -> (state, metrics) and eval_step(state, batch)"
-           if config.forward is _linen_forward else
+           if config.linen else
            "nnx_loss_fn(model, batch, rngs) and eval_step(model, batch)")
     fix = None if user_step or config.loss_name == "nnx_loss_fn" else fix  # (fit calls it)
     metrics = _as_dict(_trace(step_fn, state, train.spec, config, fix)[1], "loss")
@@ -1490,7 +1523,7 @@ def _eval_step(state, test, config, mesh):
 
     inner = jax.jit(_under(mesh, eval_step or loss_eval))
     who = "eval_step" if eval_step else config.loss_name
-    fix = f"eval_step({'state' if forward is _linen_forward else 'model'}, batch)"
+    fix = f"eval_step({'state' if config.linen else 'model'}, batch)"
     names = _metric_names(_trace(inner, state, test.spec, config, None if eval_step or own
                                  else fix), who, "accuracy")
 
@@ -1680,12 +1713,26 @@ def _as_dict(metrics, default):
 _Train = collections.namedtuple("_Train", "step_fn names lr_of config")  # one train step's parts
 
 
+def _warn_dtypes(new, old):
+    """At trace time: a step that changes a leaf's dtype (bf16 params from a float32 state) gets
+    its leaves cast back, silently but for this warning."""
+    changed = [(jax.tree_util.keystr(path), n.dtype, o.dtype) for (path, n), o in zip(
+        jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(old)) if n.dtype != o.dtype]
+    if changed:
+        path, new_dtype, old_dtype = changed[0]
+        warnings.warn(f"fit: the train step changes the dtype of {len(changed)} state leaves "
+                      f"(e.g. {path}: {new_dtype}, where the state holds {old_dtype}); fit casts "
+                      f"them back, so each step starts from the state's dtypes. To train in "
+                      f"another dtype, build the state in it.")
+
+
 def _train_and_accumulate(train, state, acc, batch):
     """One train step plus the on-device bookkeeping (metric sums since the last log point, the
     non-finite steps, the lr, a log step's norms) as two arrays, floats and counts: on XLA's CPU
     backend every small op, input and output costs microseconds a step, which a tiny model feels."""
     names, config = train.names, train.config
     new_state, metrics = train.step_fn(state, batch)
+    _warn_dtypes(new_state, state)
     metrics = _as_dict(metrics, "loss")
     skip = config.skip
     # "skip" checks the parameters' norm every step, to drop an update that makes them non-finite.
@@ -1893,8 +1940,9 @@ class _Meter:
         # The batch shapes fed since the last log point, where they changed (_agree_shapes).
         self.shape, self.changes, self.fed, self.said = None, [], step, set()
         # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
-        self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data")}
-        self.spent_steps, self.data_logged = 0, 0.0
+        self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data", "hooks")}
+        self.within = {}  # what `run.timed` measures inside another timed part (not subtracted)
+        self.spent_steps, self.data_logged, self.timing_now = 0, 0.0, False
         self.t0 = self.t_ready = self.t_logged = time.perf_counter()
         self.t_end = None
         # Speed beyond steps/s (speed()): the steady calls' rows and FLOPs, the loss's weights.
@@ -2067,11 +2115,17 @@ class _Meter:
 
     @contextlib.contextmanager
     def timed(self, what, steps=0):
-        """Times what the steady rate leaves out: a compile, an eval, a save, the final commit."""
-        t = time.perf_counter()
-        yield
-        self.spent[what][0] += time.perf_counter() - t
-        self.spent[what][1] += 1
+        """Times what the steady rate leaves out: a compile, an eval, a save, the final commit,
+        your hooks (and, within them, their own parts, which are not left out twice)."""
+        t, inside = time.perf_counter(), self.timing_now
+        self.timing_now = True
+        try:
+            yield
+        finally:
+            self.timing_now = inside
+            part = (self.within if inside else self.spent).setdefault(what, [0.0, 0])
+            part[0] += time.perf_counter() - t
+            part[1] += 1
         self.spent_steps += steps
         self.t_ready = time.perf_counter()
         if what == "finish":  # training ends here: closing writers and files after it is not
@@ -2106,8 +2160,11 @@ class _Meter:
 
     def timing(self, step):
         now = time.perf_counter()
-        return {**{f"{k}_s": s for k, (s, _) in self.spent.items()},
-                **{f"{k}_count": n for k, (_, n) in self.spent.items() if k != "data"},
+        zero = (0.0, 0)  # (hooks_s: your hooks' time, also that within saves)
+        parts = {k: [a + b for a, b in zip(self.spent.get(k, zero), self.within.get(k, zero))]
+                 for k in {**self.spent, **self.within}}
+        return {**{f"{k}_s": s for k, (s, _) in parts.items()},
+                **{f"{k}_count": n for k, (_, n) in parts.items() if k != "data"},
                 "close_s": now - (self.t_end or now), "steps": step - self.first_step,
                 "steady_steps_per_s": self.steady_rate(step), "wall_s": now - self.t0,
                 **self.speed(step), **self.estimate}
@@ -2788,6 +2845,10 @@ def _verbosity(verbose):
         return 0
     tqdm_off = os.environ.get("TQDM_DISABLE", "").lower() not in ("", "0", "false")
     return 2 if verbose == 1 and tqdm_off else verbose
+
+
+def _name(fn):
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def _say(verbose, message):

@@ -35,7 +35,7 @@ def step_memory(name, k):
     opts = fit_module.Options(loss_fn=bench._loss_fn, grad_accum=k)
     state = fit_module._place_state(state, 0, NamedSharding(mesh, P()))
     train = fit_module._Data([(x, y)], "train_ds", opts, train=True)
-    config = fit_module._StepConfig.of(opts, fit_module._linen_forward, None, mesh)
+    config = fit_module._StepConfig.of(opts, fit_module._linen_forward, None, mesh, linen=True)
     fit_module._STEPS = collections.OrderedDict()
     steps = fit_module._build_steps(state, train, None, config, mesh)
     memory = steps.train.lower(state, steps.acc0, (x, y)).compile().memory_analysis()

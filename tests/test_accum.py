@@ -148,7 +148,8 @@ def test_microbatches_move_no_data_between_devices(eight_device_mesh, monkeypatc
     state = fit_module._place_state(lm_state(optax.sgd(0.1)), 0, fit_module.NamedSharding(
         eight_device_mesh, fit_module.P()))
     train = fit_module._Data([(x, y)], "train_ds", opts, train=True)
-    config = fit_module._StepConfig.of(opts, fit_module._linen_forward, None, eight_device_mesh)
+    config = fit_module._StepConfig.of(opts, fit_module._linen_forward, None, eight_device_mesh,
+                                       linen=True)
     monkeypatch.setattr(fit_module, "_STEPS", __import__("collections").OrderedDict())
     steps = fit_module._build_steps(state, train, None, config, eight_device_mesh)
     batch = fit_module._putter(eight_device_mesh, "data")((x, y))

@@ -175,7 +175,7 @@ def _config_and_steps(platform, monkeypatch, mesh, digits):
     state = fit_module._place_state(make_state(MLP()), 0, fit_module.NamedSharding(
         mesh, fit_module.P()))
     train = fit_module._Data((x[:64], y[:64]), "train_ds", opts, train=True)
-    config = fit_module._StepConfig.of(opts, fit_module._linen_forward, None, mesh)
+    config = fit_module._StepConfig.of(opts, fit_module._linen_forward, None, mesh, linen=True)
     steps = fit_module._build_steps(state, train, None, config, mesh)
     batch = (x[:32], y[:32])
     hlo = steps.train.lower(state, steps.acc0, batch).compile().as_text()
