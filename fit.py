@@ -516,6 +516,9 @@ def evaluate(state, ds, eval_step=None, **options):
     if hasattr(opts.state_sharding, "opt_state"):  # (a tree like the state: the same, lean)
         opts = dataclasses.replace(opts, state_sharding=lean(opts.state_sharding))
     mesh, state = _mesh(opts, state), lean(state)
+    if ds is None:
+        raise ValueError("evaluate: ds is None; pass the data to evaluate (any form of fit's "
+                         "test_ds).")
     tests = _eval_sets(ds, "ds", opts)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     config = _StepConfig.of(opts, forward, eval_step, mesh, linen=linen)
@@ -754,8 +757,8 @@ class _Run:
         self.best_of.see(self.metrics, step)
         for i, hook in enumerate(self.hooks):
             # Your hooks' time is left out of steps/s (`hooks_s`); the built-in ones' stays in.
-            with contextlib.nullcontext() if type(hook) in (ProgressBar, TensorBoard) else \
-                    self.timed("hooks"):
+            with contextlib.nullcontext() if type(hook) in (ProgressBar, TensorBoard) or \
+                    not self.meter else self.meter.timed("hooks"):
                 hook(event, self)
             if self.state is not state and event != "train_end":
                 raise ValueError(f"fit: hook {_name(hook)} assigned run.state at {event!r}, "
@@ -778,6 +781,9 @@ class _Run:
     def timed(self, name):
         """`with run.timed("upload"):` a hook's own work, as `history.timing["upload_s"]`; all of
         your hooks' time is kept out of steps/s anyway, as `hooks_s`."""
+        if self.meter and name in self.meter.spent:
+            raise ValueError(f"fit: run.timed({name!r}) would add to fit's own {name}_s; "
+                             f"name your part otherwise.")
         return self.meter.timed(name) if self.meter else contextlib.nullcontext()
 
     def log(self, state, epoch, logged, *, save=lambda: False, stop=None):
@@ -1003,7 +1009,8 @@ def _eval_sets(ds, who, opts):
     if bad or unknown:
         raise ValueError(f"fit: {who}'s eval sets are named by non-empty strings of letters, "
                          f"digits, '_', '-' or '.' (they name the metrics, eval/<name>/<metric>)"
-                         f", and eval_steps by those names; got {bad or sorted(unknown)!r}.")
+                         f", and eval_steps by those names; got "
+                         f"{bad or sorted(map(str, unknown))}.")
     if not isinstance(caps, dict):
         caps = dict.fromkeys(ds, caps)
     return {name: _Data(data, f"{who}[{name!r}]", opts, train=False, eval_steps=caps.get(name))
@@ -1592,6 +1599,8 @@ def _default_train_step(config):
                 grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
             if isinstance(loss, Weighted):
                 grads = jax.tree.map(lambda g: g / loss.weight, grads)
+                if axis:  # logged as all devices' total and weight (tokens/s), not their mean
+                    loss = Weighted(*(x * jax.lax.psum(1, axis) for x in loss))
         grad_norm = _log_norm(state, config, grads)  # (before the update: its step decides)
         state = state.apply_gradients(grads=grads, **({"batch_stats": stats} if has_stats else {}))
         return state, {"loss": loss, **metrics, "grad_norm": grad_norm}
@@ -2008,8 +2017,9 @@ class _Meter:
             new = {f"step_{part}_bytes": getattr(memory, f"{part}_size_in_bytes")
                    for part in ("argument", "output", "temp")}
             if not self.estimate:
+                total = sum(new.values()) - memory.alias_size_in_bytes  # (the donated state)
                 _say(self.verbose, f"fit: the compiled train step needs about "
-                                   f"{_megabytes(sum(new.values()))} per device (arguments "
+                                   f"{_megabytes(total)} per device (arguments "
                                    f"{_megabytes(new['step_argument_bytes'])}, outputs "
                                    f"{_megabytes(new['step_output_bytes'])}, temporaries "
                                    f"{_megabytes(new['step_temp_bytes'])}: XLA's estimate).")
@@ -2123,7 +2133,9 @@ class _Meter:
             yield
         finally:
             self.timing_now = inside
-            part = (self.within if inside else self.spent).setdefault(what, [0.0, 0])
+            # (within another part, or after training ended: reported, not subtracted again)
+            apart = inside or self.t_end is not None
+            part = (self.within if apart else self.spent).setdefault(what, [0.0, 0])
             part[0] += time.perf_counter() - t
             part[1] += 1
         self.spent_steps += steps

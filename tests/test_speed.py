@@ -129,22 +129,25 @@ def masked_loss(logits, targets):
     return Weighted((losses * mask).sum(), mask.sum())
 
 
-def test_tokens_per_s_is_the_weighted_losss_weights_per_step_times_steps_per_s(
-        tmp_path, one_device_mesh):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_tokens_per_s_is_the_weighted_losss_weights_per_step_times_steps_per_s(tmp_path, devices):
+    """On 2 devices with `axis_name` (the step per device): all devices' tokens, not their mean."""
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("data",))
+    options = {"axis_name": "data"} if devices > 1 else {}
     rng = np.random.default_rng(1)
     real = [int(t) for t in rng.integers(4, 32, 12)]  # the real (unmasked) rows of each batch
     data = [(x, (y, (np.arange(32) < t).astype(np.float32)))
             for (x, y), t in zip(batches([32] * 12), real)]
     logs = Logs()
-    _, history = fit(make_state(MLP()), data, loss_fn=masked_loss, num_epochs=2,
-                     mesh=one_device_mesh, workdir=str(tmp_path), hooks=[logs], **COMMON)
+    _, history = fit(make_state(MLP()), data, loss_fn=masked_loss, num_epochs=2, mesh=mesh,
+                     workdir=str(tmp_path), hooks=[logs], **options, **COMMON)
     timing = history.timing
     assert timing["tokens_per_s"] == pytest.approx(
         np.mean(real) * timing["steady_steps_per_s"], rel=1e-6)
     assert all("perf/tokens_per_s" in p for p in logs.perf[1:]), logs.perf
     # A plain mean loss has no tokens to count.
     _, plain = fit(make_state(MLP()), batches([32] * 4), loss_fn=loss_fn, num_epochs=2,
-                   mesh=one_device_mesh, workdir=str(tmp_path / "plain"), **COMMON)
+                   mesh=mesh, workdir=str(tmp_path / "plain"), **COMMON)
     assert "tokens_per_s" not in plain.timing and "examples_per_s" in plain.timing
 
 

@@ -171,3 +171,27 @@ def test_an_option_marked_traced_reaches_the_step_config_and_the_cache_key(tmp_p
     assert config().seed == 0 and config(seed=3).log_every == 50
     with pytest.raises(AttributeError, match="mark the option _TRACED"):
         config().batch_size  # (not marked: traced code cannot read it by mistake)
+
+
+def test_train_end_hooks_and_clashing_names(tmp_path, one_device_mesh):
+    """A slow train_end hook (EarlyStopping restoring the best, wandb.finish) is reported, not
+    taken out of the steady time it was never in; run.timed refuses fit's own parts' names."""
+    def finish(event, run):
+        if event == "train_end":
+            time.sleep(1.0)
+
+    _, history = fit(make_state(MLP()), batches(8), loss_fn=loss_fn, num_epochs=2,
+                     hooks=[finish], mesh=one_device_mesh, workdir=str(tmp_path), **COMMON)
+    timing = history.timing
+    assert timing["hooks_s"] >= 1.0 and timing["steady_steps_per_s"] is not None, timing
+    steady_s = (timing["steps"] - 1) / timing["steady_steps_per_s"]  # (the compile step aside)
+    assert steady_s > 0.9 * (timing["wall_s"] - timing["compile_s"] - timing["save_s"] - timing[
+        "finish_s"] - timing["close_s"] - timing["eval_s"] - 0.05), timing
+
+    def clash(event, run):
+        if event == "log":
+            with run.timed("eval"):
+                pass
+    with pytest.raises(ValueError, match=r"run.timed\('eval'\) would add to fit's own eval_s"):
+        fit(make_state(MLP()), batches(4), loss_fn=loss_fn, log_every=2, hooks=[clash],
+            mesh=one_device_mesh, workdir=str(tmp_path / "clash"), **COMMON)
