@@ -364,7 +364,7 @@ def fit(state, train_ds, test_ds=None, **options):
     config = _StepConfig.of(opts, forward, eval_step, mesh, linen=linen)
     steps = _build_steps(state, train, tests, config, mesh)
     averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's, inside)
-    plan = _Plan(opts, train, tests, steps.train_names, steps.eval_names, averaged)
+    plan = _Plan(opts, train, tests, steps.train_names, steps.eval_names, averaged=averaged)
     verbose = _verbosity(opts.verbose)
     _check_schedule(state, opts, plan.total)
 
@@ -406,7 +406,7 @@ def fit(state, train_ds, test_ds=None, **options):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
                                    opts.max_steps, meter.said)
                 for batch, position, k, last in _prefetch(batches, put):
-                    state = meter.train(steps, state, batch, k, epoch, position)
+                    state = meter.train(steps, state, batch, k, epoch=epoch, position=position)
                     step += k
                     stop = signals.reason or ckpts.preempted()  # (several processes: each call)
                     if step < due and not (last or stop):
@@ -528,7 +528,8 @@ def evaluate(state, ds, eval_step=None, **options):
                          lambda: _eval_steps(state, tests, config, mesh))
     steps = _Steps(None, None, fns, None, None, _zeros(names, mesh), [], [], names, False, False)
     put = _putter(mesh, opts.axis_name or "data")
-    out = {name: _evaluate(steps, name, test, put, None, state) for name, test in tests.items()}
+    out = {name: _evaluate(steps, test, put, None, state, name=name)
+           for name, test in tests.items()}
     return out if isinstance(ds, dict) else out[None]
 
 
@@ -960,7 +961,7 @@ def _evaluations(steps, tests, put, meter, state, *, ema=False):
         states["eval_ema"] = state.replace(params=_ema_params(state.opt_state))
     return {_metric_tag(part, name, k): v for part, of in states.items()
             for name, test in tests.items()
-            for k, v in _evaluate(steps, name, test, put, meter, of).items()}
+            for k, v in _evaluate(steps, test, put, meter, of, name=name).items()}
 
 
 def _metric_tag(part, eval_set, metric):
@@ -968,7 +969,7 @@ def _metric_tag(part, eval_set, metric):
     return f"{part}/{metric}" if eval_set is None else f"{part}/{eval_set}/{metric}"
 
 
-def _evaluate(steps, name, test, put, meter, state):
+def _evaluate(steps, test, put, meter, state, *, name=None):
     """Metrics over one eval set, summed on device, read once (`meter`: evals out of the rate)."""
     with meter.timed("eval") if meter else contextlib.nullcontext():
         acc, step = steps.eval0[name], steps.eval[name]
@@ -1297,7 +1298,7 @@ def _putter(mesh, data_axis):
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
 
-    def __init__(self, opts, train, tests, train_names, eval_names, averaged=False):
+    def __init__(self, opts, train, tests, train_names, eval_names, *, averaged=False):
         self.num_epochs, self.max_steps = opts.num_epochs, opts.max_steps
         self.steps_per_epoch = opts.steps_per_epoch or train.length
         planned = self.steps_per_epoch and self.steps_per_epoch * opts.num_epochs
@@ -1962,7 +1963,7 @@ class _Meter:
         self.estimate = {}  # XLA's memory estimate of the compiled step, per device (the largest)
         self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
 
-    def train(self, steps, state, batch, k, epoch=0, position=(0, None)):
+    def train(self, steps, state, batch, k, *, epoch=0, position=(0, None)):
         """Dispatches step n (or k steps); only a new batch shape waits, to time its compile. A
         new shape that fails to trace (a model built for the first) is named, with `epoch` and
         the batch's `position` in it."""
