@@ -347,11 +347,7 @@ def fit(state, train_ds, test_ds=None, **options):
     # 1. Check everything that can be checked before touching the disk or compiling.
     opts = Options.of(options)
     _check_state(state, opts)
-    forward, eval_step, finish = _linen_forward, opts.eval_step, lambda state: state
-    linen = not _is_nnx(state)
-    if not linen:  # an nnx model trains as a TrainState of its variables
-        state, forward, eval_step, finish = _nnx_adapter(
-            state, opts.optimizer, nnx_loss_fn=opts.nnx_loss_fn, eval_step=opts.eval_step)
+    state, forward, eval_step, finish, linen = _adapt(state, opts)  # (nnx: as a TrainState)
     mesh = _mesh(opts, state)
     train = _Data(train_ds, "train_ds", opts, train=True)
     tests = _eval_sets(test_ds, "test_ds", opts)  # {name: _Data}; one set's name is None
@@ -373,13 +369,13 @@ def fit(state, train_ds, test_ds=None, **options):
     hparams = opts.hparams_used(plan, batching[0], mesh.size)
     builtin = ([ProgressBar(verbose)] if verbose else []) + (
         [TensorBoard(hparams)] if opts.tensorboard and jax.process_index() == 0 else [])
-    base = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, batching=batching)
-    best = _Best(plan, opts.max_to_keep)
+    progress = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed,
+                         batching=batching)  # (filled from the checkpoint if the run goes on)
     fresh_work = not plan.done(0, int(jax.device_get(state.step)))  # (else: claim no directory)
-    ckpts = _Checkpoints(opts, best, base, claim=fresh_work)
-    state, progress = ckpts.restore(state)  # (from here on, the run is held: closed on any exit)
+    ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, claim=fresh_work)
+    state = ckpts.restore(state)  # (from here on, the run is held: closed on any exit)
     step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
-    run = _Run(builtin + list(opts.hooks), plan, ckpts, best, progress)
+    run = _Run(builtin + list(opts.hooks), plan, ckpts, progress)
     if plan.done(epoch, step) or run.stopping:  # (run.stopping: a hook's stop, for good)
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
@@ -390,56 +386,47 @@ def fit(state, train_ds, test_ds=None, **options):
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one step late, when the device has finished them.
-    put = _putter(mesh, opts.axis_name or "data")
     try:
         with _Signals() as signals:
             ckpts.open()
             run.call("train_start", state, step, epoch)
             meter = run.meter = _Meter(steps, opts, progress.meter, step)  # its clock starts
-            evaluate = functools.partial(_evaluations, steps, tests, put, meter, ema=plan.ema)
-            end_epoch = functools.partial(_end_epoch, run=run, meter=meter, plan=plan,
-                                          evaluate=evaluate)
-            save = functools.partial(_save, base=base, run=run, meter=meter, ckpts=ckpts,
-                                     verbose=verbose)
+            loop = _Loop(run, meter, ckpts, signals, plan=plan, tests=tests, verbose=verbose)
             due = step  # the step from which the loop checks what is due (here: the first)
             while not (run.stopping or plan.done(epoch, step)):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
                                    opts.max_steps, meter.said)
-                for batch, position, k, last in _prefetch(batches, put):
-                    state = meter.train(steps, state, batch, k, epoch=epoch, position=position)
+                for batch, position, k, last in _prefetch(batches, steps.put):
+                    state = meter.dispatch(state, batch, k, epoch=epoch, position=position)
                     step += k
-                    stop = signals.reason or ckpts.preempted()  # (several processes: each call)
+                    stop = signals.reason or ckpts.count_call()  # (several processes: each call)
                     if step < due and not (last or stop):
                         continue  # nothing else to do: the host stays ahead of the device
-                    logged = meter.read(step, plan.due("log", step, k))  # (n dispatched: n-1)
-                    run.log(state, epoch, logged, save=ckpts.overdue, stop=signals.asked)
+                    loop.log(state, step, epoch, due=plan.due("log", step, k))  # (n calls: n-1)
                     if plan.due("eval", step, k):
-                        run.evaluate(state, step, epoch, evaluate(state))
+                        loop.evaluate(state, step, epoch)
                     run.stopping = run.stopping or stop or signals.reason
                     cut = plan.done(epoch, step) and not (last or run.stopping)  # by max_steps
                     if last or cut:  # the epoch's end comes before the save of its last step
-                        end_epoch(state, step, epoch, complete=last)
+                        loop.end_epoch(state, step, epoch, complete=last)
                     if last:
                         epoch, position = epoch + 1, (0, None)
                     if run.stopping or plan.done(epoch, step):
                         break
                     if run.save or plan.due("ckpt", step, k):
-                        save(state, step, epoch, position)
+                        loop.save(state, step, epoch, position)
                     due = plan.next_due(step, now=meter.pending or run.stopping or run.save)
-            save(state, step, epoch, position)  # always: at the end and on every stop
+            loop.save(state, step, epoch, position)  # always: at the end and on every stop
             with meter.timed("finish"):  # the last save's commit: once a run, not steady work
                 ckpts.wait()
             state = run.end(state, step, epoch)
             # A signal after the last step is honoured too, now that the checkpoint is committed.
-            late = signals.reason or ckpts.preempted() or signals.asked
+            late = signals.reason or ckpts.count_call() or signals.asked
     finally:
         ckpts.close()
         run.close()
     run.history.timing = meter.timing(step)
-    if run.stopping in ("SIGTERM", "preemption") or late in ("SIGTERM", "preemption"):
-        raise SystemExit(128 + signal.SIGTERM)  # 143: what schedulers expect after SIGTERM
-    if late == "SIGINT" and run.stopping not in _SIGNALS:  # done: Ctrl-C stops the script
-        raise KeyboardInterrupt
+    signals.honour(run.stopping, late)
     return finish(state), run.history
 
 
@@ -457,7 +444,7 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
     ones, with items `state` and `meta` (JSON)."""
     if _is_nnx(state):
         who = "load_ckpt" if optimizer or not weights_only else "evaluate"  # (no optimizer)
-        adapted, _, _, finish = _nnx_adapter(state, optimizer, who=who)
+        adapted, _, _, finish, _ = _adapt(state, Options(optimizer=optimizer), who)
         return finish(load_ckpt(adapted, ckpt_dir, step, weights_only=weights_only, ema=ema))
     if optimizer is not None:
         raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its tx.")
@@ -485,7 +472,7 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
             raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
                              f"{sorted(steps)}: pass one of those, 'last' or 'best'.")
         sharding = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
-        replicated = NamedSharding(_default_mesh(), P())
+        replicated = _replicated(_default_mesh())
         placed = _place_state(state, 0, replicated)
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
@@ -507,11 +494,7 @@ def evaluate(state, ds, eval_step=None, **options):
     `nnx_loss_fn` gives the loss. The optimizer state is not read, and a second call with the same
     functions and kinds of batches compiles nothing (an nnx model compiles anew)."""
     opts = Options.of({**options, "eval_step": eval_step})
-    forward, linen = _linen_forward, not _is_nnx(state)
-    if not linen:
-        state, forward, eval_step, _ = _nnx_adapter(state, opts.optimizer, "evaluate",
-                                                    nnx_loss_fn=opts.nnx_loss_fn,
-                                                    eval_step=eval_step)
+    state, forward, eval_step, _, linen = _adapt(state, opts, "evaluate")
     lean = lambda s: s.replace(opt_state=None) if hasattr(s, "opt_state") else s
     if hasattr(opts.state_sharding, "opt_state"):  # (a tree like the state: the same, lean)
         opts = dataclasses.replace(opts, state_sharding=lean(opts.state_sharding))
@@ -522,14 +505,8 @@ def evaluate(state, ds, eval_step=None, **options):
     tests = _eval_sets(ds, "ds", opts)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     config = _StepConfig.of(opts, forward, eval_step, mesh, linen=linen)
-    key = ("eval", config, mesh, tuple((n, _kinds(t.spec)) for n, t in tests.items()),
-           jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
-    fns, names = _cached(key, config.linen,
-                         lambda: _eval_steps(state, tests, config, mesh))
-    steps = _Steps(None, None, fns, None, None, _zeros(names, mesh), [], [], names, False, False)
-    put = _putter(mesh, opts.axis_name or "data")
-    out = {name: _evaluate(steps, test, put, None, state, name=name)
-           for name, test in tests.items()}
+    steps = _build_steps(state, None, tests, config, mesh)
+    out = {name: _evaluate(steps, test, state, name) for name, test in tests.items()}
     return out if isinstance(ds, dict) else out[None]
 
 
@@ -731,8 +708,9 @@ class _Run:
     the device; at other events `state` is that of `step`. `_Run` calls the hooks, keeps the
     history and hooks' `get_state()`, and makes processes agree on what hooks and signals ask."""
 
-    def __init__(self, hooks, plan, ckpts, best, progress):
-        self.hooks, self.best_of, self.hook_states = hooks, best, progress.hooks
+    def __init__(self, hooks, plan, ckpts, progress):
+        best = self.best_of = ckpts.best
+        self.hooks, self.hook_states = hooks, progress.hooks
         best.go_on(progress)
         self.total_steps, self.num_epochs = plan.total, plan.num_epochs
         self.monitor, self.mode = best.monitor, best.mode
@@ -742,7 +720,7 @@ class _Run:
         self.name, self.id = ckpts.run, f"{ckpts.run}-{where}"
         history = self.history = History(progress.history)
         history.run, history.log_dir, history.ckpt_dir = ckpts.run, ckpts.log_dir, ckpts.ckpt_dir
-        self.stopping = progress.stop if progress.final(plan.num_epochs, plan.max_steps) else None
+        self.stopping = progress.stop  # (a hook's stop, for good: _Progress.go_on)
         self.stopped_early = self.interrupted = self.stop = self.save = False
         self.event = self.step = self.epoch = self.state = None
         self.metrics, self.last_eval, self.meter = {}, None, None  # (meter: set once it runs)
@@ -786,13 +764,6 @@ class _Run:
             raise ValueError(f"fit: run.timed({name!r}) would add to fit's own {name}_s; "
                              f"name your part otherwise.")
         return self.meter.timed(name) if self.meter else contextlib.nullcontext()
-
-    def log(self, state, epoch, logged, *, save=lambda: False, stop=None):
-        """The log events of the intervals `_Meter.read` returned; the wall-time schedule (`save()`,
-        asked here only: its orbax calls cost host time that a tiny model's steps feel) and a
-        signal to one of several processes (`stop`) are decided at log points only."""
-        for at, metrics in logged:
-            self.call("log", state, at, epoch, metrics=metrics, save=save(), stop=stop)
 
     def record(self, row, *items):
         for name, value in [*items, *row.items()]:
@@ -909,6 +880,13 @@ class _Progress:
                              f"run stopped. Resume it with its own batch size{option} and data, "
                              f"or start a fresh run (resume=False).")
 
+    def go_on(self, saved):
+        """This call's progress from a checkpoint's (`saved`), keeping this call's target, seed and
+        batching; a hook's stop holds only if the run goes no further than that one did."""
+        for name in {f.name for f in dataclasses.fields(self)} - {"target", "seed", "batching"}:
+            setattr(self, name, getattr(saved, name))
+        self.stop = saved.stop if saved.final(*self.target) else None
+
     def final(self, num_epochs, max_steps):
         """Whether a hook ended the run for good: it goes on only if asked to go further."""
         epochs, steps = self.target
@@ -916,52 +894,77 @@ class _Progress:
             (max_steps or math.inf) <= (steps or math.inf))
 
 
-def _end_epoch(state, step, epoch, *, complete, run, meter, plan, evaluate):
-    """An epoch's end: last log, history row, hooks, due eval (`complete=False`: max_steps cut)."""
-    run.log(state, epoch, meter.read(step, log_due=True, sync=True))
-    row = meter.means("epoch", reset=complete)  # (a cut epoch's sums go on after a resume)
-    run.record(row, ("epoch", epoch + 1), ("step", step))
-    run.best_of.track(row, step)  # (an eval/ monitor is not in the row: no-op)
-    run.call("epoch_end", state, step, epoch, metrics=row)
-    last = plan.done(epoch + complete, step)
-    if plan.eval_at_epoch_end(epoch + 1, last) and run.last_eval != step:
-        run.evaluate(state, step, epoch, evaluate(state))
+class _Loop:
+    """The loop's body around its steps, built once by `fit`: the log points (`log`, with the
+    `poll`), an eval, an epoch's end, a save. It holds the run's parts, so none is handed around."""
 
+    def __init__(self, run, meter, ckpts, signals, *, plan, tests, verbose):
+        self.run, self.meter, self.ckpts, self.signals = run, meter, ckpts, signals
+        self.plan, self.tests, self.verbose = plan, tests, verbose
 
-def _save(state, step, epoch, position, *, base, run, meter, ckpts, verbose):
-    """A checkpoint of this step (asynchronous) with all the run depends on (`base`, filled in);
-    first the metrics are read and the parameters checked, so a NaN state is never written."""
-    if step == ckpts.saved:
-        return
-    run.log(state, epoch, meter.read(step, log_due=False, sync=True))
-    with meter.timed("save"):  # (the check, the hooks and orbax's blocking part)
-        meter.check(step, None, state)
-        run.call("save", state, step, epoch)
-        if run.stopping:
-            run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
-        best, value = run.best_of, run.best_of.rank(step)  # (first: the record holds it)
-        progress = dataclasses.replace(
-            base, epoch=epoch, position=position if position[0] else (0, None), meter=meter.sums,
-            history=run.history, best=best.value, best_step=best.step, top=best.top,
-            stop=None if run.stopping in _SIGNALS else run.stopping,
-            hooks={str(i): h.get_state() for i, h in enumerate(run.hooks)
-                   if hasattr(h, "get_state")})
-        ckpts.save(step, state, progress, value)
-    run.save = False
-    if run.stopping in _SIGNALS:
-        _say(verbose, f"fit: stopped by {run.stopping} at step {step}; checkpoint saved, "
-                      f"continue with resume=True.")
+    def log(self, state, step, epoch, *, due=False, sync=False):
+        """A `log` event for each log point whose sums `_Meter.read` returns; at the loop's own
+        log points (not `sync`), first the poll."""
+        logged = self.meter.read(step, due, sync)
+        save, stop = self.poll() if logged and not sync else (False, None)
+        for at, metrics in logged:
+            self.run.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
 
+    def poll(self):
+        """`(save, stop)`: whether `ckpt_interval` has passed, and a signal to one of several
+        processes (decided together at the next call); a failed asynchronous save raises here.
+        At log points only: orbax's calls cost host time that a tiny model's steps feel."""
+        self.ckpts.raise_failed()
+        return self.ckpts.overdue(), self.signals.asked
 
-def _evaluations(steps, tests, put, meter, state, *, ema=False):
-    """An eval's metrics, every set's: `eval/<metric>`, or `eval/<set>/<metric>` for named sets;
-    with `ema`, the average's too, `eval_ema/...`."""
-    states = {"eval": state}
-    if ema:
-        states["eval_ema"] = state.replace(params=_ema_params(state.opt_state))
-    return {_metric_tag(part, name, k): v for part, of in states.items()
-            for name, test in tests.items()
-            for k, v in _evaluate(steps, test, put, meter, of, name=name).items()}
+    def evaluate(self, state, step, epoch):
+        """An eval of every set: `eval/<metric>`, or `eval/<set>/<metric>` for named sets; with
+        `plan.ema`, the average's too, `eval_ema/...`."""
+        states = {"eval": state}
+        if self.plan.ema:
+            states["eval_ema"] = state.replace(params=_ema_params(state.opt_state))
+        metrics = {_metric_tag(part, name, k): v for part, of in states.items()
+                   for name, test in self.tests.items()
+                   for k, v in _evaluate(self.meter.steps, test, of, name, self.meter).items()}
+        self.run.evaluate(state, step, epoch, metrics)
+
+    def end_epoch(self, state, step, epoch, *, complete):
+        """An epoch's end: last log, history row, hooks, due eval (`complete=False`: max_steps
+        cut it)."""
+        run = self.run
+        self.log(state, step, epoch, due=True, sync=True)
+        row = self.meter.means("epoch", reset=complete)  # (a cut epoch's sums go on on resume)
+        run.record(row, ("epoch", epoch + 1), ("step", step))
+        run.best_of.track(row, step)  # (an eval/ monitor is not in the row: no-op)
+        run.call("epoch_end", state, step, epoch, metrics=row)
+        last = self.plan.done(epoch + complete, step)
+        if self.plan.eval_at_epoch_end(epoch + 1, last) and run.last_eval != step:
+            self.evaluate(state, step, epoch)
+
+    def save(self, state, step, epoch, position):
+        """A checkpoint of this step (asynchronous) with all the run depends on (`_Progress`);
+        first the metrics are read and the parameters checked, so a NaN state is never written."""
+        run, meter = self.run, self.meter
+        if step == self.ckpts.saved:
+            return
+        self.log(state, step, epoch, sync=True)
+        with meter.timed("save"):  # (the check, the hooks and orbax's blocking part)
+            meter.check(step, None, state)
+            run.call("save", state, step, epoch)
+            if run.stopping:
+                run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
+            best, value = run.best_of, run.best_of.rank(step)  # (first: the record holds it)
+            vars(self.ckpts.progress).update(
+                epoch=epoch, position=position if position[0] else (0, None), meter=meter.sums,
+                history=run.history, best=best.value, best_step=best.step, top=best.top,
+                stop=None if run.stopping in _SIGNALS else run.stopping,
+                hooks={str(i): h.get_state() for i, h in enumerate(run.hooks)
+                       if hasattr(h, "get_state")})
+            self.ckpts.save(step, state, value)
+        run.save = False
+        if run.stopping in _SIGNALS:
+            _say(self.verbose, f"fit: stopped by {run.stopping} at step {step}; checkpoint "
+                               f"saved, continue with resume=True.")
 
 
 def _metric_tag(part, eval_set, metric):
@@ -969,11 +972,11 @@ def _metric_tag(part, eval_set, metric):
     return f"{part}/{metric}" if eval_set is None else f"{part}/{eval_set}/{metric}"
 
 
-def _evaluate(steps, test, put, meter, state, *, name=None):
+def _evaluate(steps, test, state, name=None, meter=None):
     """Metrics over one eval set, summed on device, read once (`meter`: evals out of the rate)."""
     with meter.timed("eval") if meter else contextlib.nullcontext():
         acc, step = steps.eval0[name], steps.eval[name]
-        for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), put):
+        for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), steps.put):
             acc = step(state, acc, batch)
         *sums, batches = jax.device_get(acc).tolist()
     if not batches:
@@ -1273,13 +1276,13 @@ def _putter(mesh, data_axis):
     device_put, whose arrays the step then waits for (an H100: ~180 us a tiny-MLP batch by jit,
     ~375 by device_put and jit; fit's steps/s +10% on a tiny MLP and +9% on a transformer)."""
     if mesh.size == 1 and jax.process_count() == 1:
-        one = NamedSharding(mesh, P())
+        one = _replicated(mesh)
         numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
         return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
     shards, processes = _local_shards(mesh, data_axis), jax.process_count()
     shardings = {(True, True): NamedSharding(mesh, P(None, data_axis)), (False, True):
-                 NamedSharding(mesh, P(data_axis)), (True, False): NamedSharding(mesh, P()),
-                 (False, False): NamedSharding(mesh, P())}
+                 NamedSharding(mesh, P(data_axis)), (True, False): _replicated(mesh),
+                 (False, False): _replicated(mesh)}
 
     def put(batch, stacked=False):
         splits = jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
@@ -1408,8 +1411,9 @@ class _StepConfig:
                    _platform(mesh) in _NO_COND, shards, traced)
 
 
-_Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 acc_names "
-                                          "train_names eval_names lr_known weighted_loss")
+_Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put acc_names "
+                                          "train_names eval_names lr_known weighted_loss",
+                                defaults=(None,) * 12)  # (built by name)
 
 
 _STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
@@ -1418,23 +1422,25 @@ _STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (
 def _build_steps(state, train, tests, config, mesh):
     """The steps of an earlier call with the same `_StepConfig` (the functions and what traced
     code reads), optimizer (in the state's treedef), placement and kinds of batches, so that
-    JAX's compile cache serves them (a notebook cell run again compiles nothing); else new ones."""
+    JAX's compile cache serves them (a notebook cell run again compiles nothing); else new ones.
+    `train=None`: the eval steps alone (`evaluate`)."""
     tests = tests or {}
-    key = (config, mesh, _kinds(train.spec), tuple((n, _kinds(t.spec)) for n, t in tests.items()),
+    key = (config, mesh, train and _kinds(train.spec),
+           tuple((n, _kinds(t.spec)) for n, t in tests.items()),
            jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
     reuse = config.linen  # (nnx closures hold the model: never kept)
     steps = _cached(key, reuse, lambda: _new_steps(state, train, tests, config, mesh))
-    # The sums start from zeros made here, not kept with the steps: a finished run leaves no array.
-    acc0 = {"sums": np.zeros(2 * len(steps.acc_names) + 4, np.float32),
-            "count": np.zeros(3, np.int32)}
-    return steps._replace(acc0=jax.device_put(acc0, NamedSharding(mesh, P())),
-                          eval0=_zeros(steps.eval_names, mesh))
+    # Made at each call, not kept with the steps: the sums' zeros (a finished run leaves no
+    # array) and the batches' placement.
+    acc0 = train and jax.device_put(_train_acc(len(steps.acc_names)), _replicated(mesh))
+    return steps._replace(acc0=acc0, eval0=_zeros(steps.eval_names, mesh),
+                          put=_putter(mesh, config.axis_name or "data"))
 
 
 def _zeros(eval_names, mesh):
     """Each eval set's sums to start from: its metrics' totals and weights, and a batch count."""
     return {name: jax.device_put(np.zeros(2 * len(names) + 1, np.float32),
-                                 NamedSharding(mesh, P())) for name, names in eval_names.items()}
+                                 _replicated(mesh)) for name, names in eval_names.items()}
 
 
 def _cached(key, reuse, build):
@@ -1461,8 +1467,11 @@ def _new_steps(state, train, tests, config, mesh):
     """Every jax.jit of the run, built once: the train step (alone, and scanned over `steps_per_jit`
     stacked batches) and the eval step, each summing metrics on device. The user's step is traced
     (eval_shape) for its metric names before any compile, and jitted alone, so that the real call
-    reuses that trace (a model's trace costs 0.1-0.2 s)."""
-    replicated, user_step, seed = NamedSharding(mesh, P()), config.train_step, config.seed
+    reuses that trace (a model's trace costs 0.1-0.2 s). No `train`: the eval steps alone."""
+    eval_fns, eval_names = _eval_steps(state, tests, config, mesh)
+    if train is None:
+        return _Steps(eval=eval_fns, eval_names=eval_names)
+    replicated, user_step, seed = _replicated(mesh), config.train_step, config.seed
     who = "train_step" if user_step else config.loss_name
     step_fn = user_step or _default_train_step(config)
     if user_step and _takes_three(user_step):  # train_step(state, batch, rng)
@@ -1471,17 +1480,13 @@ def _new_steps(state, train, tests, config, mesh):
         step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(config.axis_name)),
                                 out_specs=(P(), P()), check_vma=False)
     step_fn = jax.jit(_under(mesh, step_fn))
-    fix = ("train_step(state, batch) -> (state, metrics) and eval_step(state, batch)"
-           if config.linen else
-           "nnx_loss_fn(model, batch, rngs) and eval_step(model, batch)")
-    fix = None if user_step or config.loss_name == "nnx_loss_fn" else fix  # (fit calls it)
-    metrics = _as_dict(_trace(step_fn, state, train.spec, config, fix)[1], "loss")
+    own = user_step or config.loss_name == "nnx_loss_fn"  # (else fit calls the model)
+    metrics = _as_dict(_trace(step_fn, state, train.spec, config, not own and "train")[1], "loss")
     traced = _metric_names(metrics, who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
     # The lr a step used, from the state after it: lr_fn(step), or inject_hyperparams' value.
-    is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
-    lr_of = lambda s: optax.tree.get(s.opt_state, "learning_rate", filtering=is_array)
+    lr_of = lambda s: _lr_in(s.opt_state)
     if config.lr_fn is not None:
         lr_of = lambda s, lr_fn=config.lr_fn: lr_fn(s.step - 1)
     elif lr_of(state) is None:
@@ -1493,10 +1498,10 @@ def _new_steps(state, train, tests, config, mesh):
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
-    eval_fns, eval_names = _eval_steps(state, tests, config, mesh)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
-    return _Steps(train_1, train_k, eval_fns, param_norm, None, None, names, names + norms,
-                  eval_names, lr_of is not None, isinstance(metrics.get("loss"), Weighted))
+    return _Steps(train_1, train_k, eval_fns, param_norm, acc_names=names,
+                  train_names=names + norms, eval_names=eval_names, lr_known=lr_of is not None,
+                  weighted_loss=isinstance(metrics.get("loss"), Weighted))
 
 
 def _unrolled():
@@ -1531,16 +1536,15 @@ def _eval_step(state, test, config, mesh):
 
     inner = jax.jit(_under(mesh, eval_step or loss_eval))
     who = "eval_step" if eval_step else config.loss_name
-    fix = f"eval_step({'state' if config.linen else 'model'}, batch)"
-    names = _metric_names(_trace(inner, state, test.spec, config, None if eval_step or own
-                                 else fix), who, "accuracy")
+    names = _metric_names(_trace(inner, state, test.spec, config, not (eval_step or own) and
+                                 "eval"), who, "accuracy")
 
     def _eval_and_accumulate(state, acc, batch):  # totals, weights, batches
         n = jax.tree.leaves(batch)[0].shape[0]
         metrics = _as_dict(inner(state, batch), "accuracy")
         return acc + jnp.append(_totals_and_weights([metrics[k] for k in names], n).ravel(), 1.0)
 
-    return jax.jit(_eval_and_accumulate, out_shardings=NamedSharding(mesh, P())), names
+    return jax.jit(_eval_and_accumulate, out_shardings=_replicated(mesh)), names
 
 
 def _under(mesh, fn):
@@ -1757,15 +1761,14 @@ def _train_and_accumulate(train, state, acc, batch):
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     n, n_bad, first_bad = acc["count"]
-    sums, m = acc["sums"], 2 * len(names)  # [totals, weights, grad_norm, param_norm, set, lr]
-    lr = sums[m + 3:] if train.lr_of is None else jnp.reshape(train.lr_of(new_state),
-                                                              1).astype(jnp.float32)
+    totals, weights, old_norms, lr = _acc_parts(acc["sums"], len(names))
+    lr = lr if train.lr_of is None else jnp.reshape(train.lr_of(new_state), 1).astype(jnp.float32)
     first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
     count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
     # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
     norms = jnp.where(_at_log(state, config) & (finite | (not skip)), jnp.append(norms, 1.0),
-                      sums[m:m + 3])
-    sums = jnp.concatenate([sums[:m] + values.ravel(), norms, lr])
+                      old_norms)
+    sums = jnp.concatenate([totals + values[0], weights + values[1], norms, lr])
     return new_state, {"sums": sums, "count": count.astype(jnp.int32)}
 
 
@@ -1773,6 +1776,18 @@ _MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warn
 _AHEAD = 2  # calls the host may dispatch before the device has finished them
 _LAG = 1  # calls after a log point that its sums are read (the read waits for them if need be)
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
+
+
+def _train_acc(n):
+    """The train accumulator of `n` metrics, zeros: `sums` (laid out as `_acc_parts` reads it) and
+    `count`, [steps summed, non-finite steps, the first of them]."""
+    return {"sums": np.zeros(2 * n + 4, np.float32), "count": np.zeros(3, np.int32)}
+
+
+def _acc_parts(sums, n):
+    """The train accumulator's `sums` of `n` metrics (numpy or traced), its one layout: their
+    totals, their weights, a log step's [grad_norm, param_norm, 1 once set], [the lr]."""
+    return sums[:n], sums[n:2 * n], sums[2 * n:2 * n + 3], sums[2 * n + 3:]
 
 
 def _at_log(state, config):
@@ -1810,9 +1825,10 @@ def _totals_and_weights(metrics, rows):
     return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
 
 
-def _trace(fn, state, spec, config, fix=None):
+def _trace(fn, state, spec, config, fit_calls=False):
     """`fn(state, batch)`'s output shapes: checks your functions before any compile or directory,
-    turning three cryptic failures into advice (`fix`: what to pass instead of fit's model call)."""
+    turning cryptic failures into advice (`fit_calls`: "train" or "eval" where fit calls the
+    model, so that your own function may call it instead)."""
     try:
         return jax.eval_shape(fn, state, spec)
     except NameError as e:
@@ -1824,8 +1840,11 @@ def _trace(fn, state, spec, config, fix=None):
                          f"axis_name={axis!r} to fit to run the step per device over it.") from None
     except TypeError as e:  # (Python names the method: "MLP.__call__() missing 1 required")
         train = "unexpected keyword argument 'train'" in str(e)
-        if fix is None or not (train or "__call__() missing" in str(e)):
+        if not fit_calls or not (train or "__call__() missing" in str(e)):
             raise
+        fix = (f"eval_step({'state' if config.linen else 'model'}, batch)" if fit_calls == "eval"
+               else "train_step(state, batch) -> (state, metrics) and eval_step(state, batch)"
+               if config.linen else "nnx_loss_fn(model, batch, rngs) and eval_step(model, batch)")
         what = ("does not take train=, which fit passes" if train else
                 "needs arguments that fit does not pass")
         raise TypeError(f"fit: the model {what} when it calls the model itself ({e}). Pass your "
@@ -1847,6 +1866,15 @@ def _trace(fn, state, spec, config, fix=None):
 
 
 # -- nnx models, trained as a TrainState of their variables ------------------------------------
+
+def _adapt(state, opts, who="fit"):
+    """`(state, forward, eval_step, finish, linen)`: a TrainState as it is, called by
+    `_linen_forward`; an nnx model as a TrainState (`_nnx_adapter`), `finish` writing it back."""
+    if not _is_nnx(state):
+        return state, _linen_forward, opts.eval_step, lambda state: state, True
+    return *_nnx_adapter(state, opts.optimizer, who, nnx_loss_fn=opts.nnx_loss_fn,
+                         eval_step=opts.eval_step), False
+
 
 # An nnx model and its optimizer as a TrainState of plain dicts (what hooks see): `params` is what
 # the optimizer trains (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the
@@ -1939,7 +1967,7 @@ class _Meter:
     and checkpointed (`sums`), so a resumed run logs what an uninterrupted one would."""
 
     def __init__(self, steps, opts, sums, step):
-        self.names, self.acc0, self.acc = steps.acc_names, steps.acc0, steps.acc0
+        self.steps, self.names, self.acc0, self.acc = steps, steps.acc_names, steps.acc0, steps.acc0
         self.skipping, self.lr_known = opts.on_nonfinite == "skip", steps.lr_known
         self.norm_names, self.norms, self.param_norm = steps.train_names, {}, steps.param_norm
         # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
@@ -1963,7 +1991,7 @@ class _Meter:
         self.estimate = {}  # XLA's memory estimate of the compiled step, per device (the largest)
         self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
 
-    def train(self, steps, state, batch, k, *, epoch=0, position=(0, None)):
+    def dispatch(self, state, batch, k, *, epoch=0, position=(0, None)):
         """Dispatches step n (or k steps); only a new batch shape waits, to time its compile. A
         new shape that fails to trace (a model built for the first) is named, with `epoch` and
         the batch's `position` in it."""
@@ -1973,7 +2001,7 @@ class _Meter:
             self.shape = shape
             self.changes.append((self.fed, shape))
         self.fed, self.calls = self.fed + k, self.calls + 1
-        train = steps.train if k == 1 else steps.train_k
+        train = self.steps.train if k == 1 else self.steps.train_k
         if cost := self.compiled.get(shape):  # (rows, FLOPs per device) of a call of this shape
             state, self.acc = train(state, self.acc, batch)
             self.rows, self.flops = self.rows + cost[0], self.flops + cost[1]
@@ -2057,16 +2085,13 @@ class _Meter:
 
     def _add(self, acc, step):
         n, n_bad, first_bad = (int(v) for v in acc["count"])
-        m = len(self.names)
-        totals, weights, rest = np.split(acc["sums"], [m, 2 * m])
-        grad_norm, param_norm, is_set, lr = rest.tolist()
+        totals, weights, norms, lr = _acc_parts(acc["sums"], len(self.names))
+        (grad_norm, param_norm, is_set), (lr,) = norms.tolist(), lr.tolist()
         if n_bad and not self.skipping:
             bad = [k for k, v in zip(self.names, totals) if not np.isfinite(v)]
             what = ", ".join(sorted(bad, key=lambda k: k != "loss"))
-            raise FloatingPointError(f"fit: non-finite values (NaN or Inf) in {what} at step "
-                                     f"{first_bad + 1} (checked by step {step}); no checkpoint "
-                                     f"was written after it. Lower the learning rate, check the "
-                                     f"data, or pass on_nonfinite='skip' to drop such updates.")
+            self._nonfinite(f"values (NaN or Inf) in {what} at step {first_bad + 1} (checked by "
+                            f"step {step})")
         if is_set:
             self.norms = {f"train/{k}": v for k, v in zip(_NORMS, (grad_norm, param_norm))
                           if k in self.norm_names}
@@ -2105,10 +2130,14 @@ class _Meter:
         if state is not None:
             norm = float(self.param_norm(state))
         if not (math.isfinite(norm) or self.skipping):
-            raise FloatingPointError(
-                f"fit: non-finite parameters or gradients (NaN or Inf) at step {step}, in the log "
-                f"interval after step {self.logged}; no checkpoint was written after it. Lower "
-                f"the learning rate, check the data, or pass on_nonfinite='skip'.")
+            self._nonfinite(f"parameters or gradients (NaN or Inf) at step {step}, in the log "
+                            f"interval after step {self.logged}")
+
+    @staticmethod
+    def _nonfinite(what):
+        raise FloatingPointError(f"fit: non-finite {what}; no checkpoint was written after it. "
+                                 f"Lower the learning rate, check the data, or pass "
+                                 f"on_nonfinite='skip' to drop such updates.")
 
     def means(self, part, reset=True):
         """The means of a part's sums, which then start again (`reset`). An epoch whose every
@@ -2192,7 +2221,7 @@ class _Checkpoints:
     asks, on every stop and at the end. A failed save raises one `OSError` naming the step, the
     cause and the last good checkpoint, which stays intact."""
 
-    def __init__(self, opts, best, base, claim=True):
+    def __init__(self, opts, best, progress, claim=True):
         workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
         while not os.path.exists(probe):  # fail before any directory is made
             probe = os.path.dirname(probe)
@@ -2204,59 +2233,66 @@ class _Checkpoints:
         self.logs = os.path.join(workdir, "logs")  # (tensorboard --logdir)
         self.log_dir = os.path.join(self.logs, self.run)
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
-        self.monitor, self.best, self.base = best.monitor, best, base
+        self.monitor, self.best, self.progress = best.monitor, best, progress
         self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
         self.mgr, self.saved, self.good, self.calls = None, None, None, 0
         self.processes, self.writing = jax.process_count(), False  # (writing: a save in flight)
+        self.quiet = _quiet()  # (orbax's logged reports of failures, while the run is open)
 
     def restore(self, state):
-        """The latest checkpoint's state and `_Progress`, checked against this call; else fresh."""
+        """The latest checkpoint's state, its progress taken into the run's (checked against
+        this call); else `state`."""
         if not self.resumed:
-            return state, _Progress()
+            return state
         self.open()
         self.saved = self.good = self.mgr.latest_step()
         try:
             state, meta = _restore(self.mgr, self.saved, state, "fit")
-            progress = _Progress.read(meta)
-            progress.check(self.run, self.base.seed, self.base.batching)
+            saved = _Progress.read(meta)
+            saved.check(self.run, self.progress.seed, self.progress.batching)
+            self.progress.go_on(saved)
         except BaseException:
             self.close()  # (the manager's threads and fit's log filter end with it)
             raise
-        return state, progress
+        return state
 
     def open(self):
         """The orbax manager, keeping what the run's `_Best` says."""
         if self.mgr is None:
-            logging.getLogger("absl").addFilter(_quiet_orbax)
+            logging.getLogger("absl").addFilter(self.quiet)
             self.mgr = _open(self.ckpt_dir, ocp.CheckpointManagerOptions(
                 cleanup_tmp_directories=True, **self.best.manager_options()))
 
     def overdue(self):
-        """`ckpt_interval` passed since the last save? Also raises a failed async save's error once
-        it has ended (orbax is asked only while a save is in flight: each ask costs ~50 us)."""
-        # (One process alone: orbax's wait may be a collective, and processes need not agree on
-        # whether a save is still in progress; there, errors come at the next save.)
-        if self.writing and self.processes == 1 and not self.mgr.is_saving_in_progress():
-            self.wait()  # returns at once; raises a finished save's error
+        """Whether `ckpt_interval` has passed since the last save."""
         return time.monotonic() - self.last_time >= self.interval
 
-    def preempted(self):
-        """Whether JAX's preemption notifier picked this loop iteration for every process. It
-        counts calls, not steps: with steps_per_jit the step jumps over the one it picks. Asked at
-        every call with several processes (it expects that); one process has no notifier."""
+    def raise_failed(self):
+        """A failed asynchronous save's error, once it has ended (orbax is asked only while a save
+        is in flight: each ask costs ~50 us). One process alone: orbax's wait may be a collective,
+        and processes need not agree on whether a save is still in progress; there, errors come
+        at the next save."""
+        if self.writing and self.processes == 1 and not self.mgr.is_saving_in_progress():
+            self.wait()  # returns at once; raises a finished save's error
+
+    def count_call(self):
+        """A loop call counted for JAX's preemption notifier: "preemption" when it picked this
+        call for every process to stop at. It counts calls, not steps: with steps_per_jit the step
+        jumps over the one it picks. At every call with several processes (it expects that); one
+        process has no notifier."""
         if self.processes == 1:
             return None
         self.calls += 1
         if self.mgr.reached_preemption(self.calls):
             return "preemption"
 
-    def save(self, step, state, progress, value):
+    def save(self, step, state, value):
         self.wait()  # the previous save commits first (orbax would wait here too)
         with self._failure(step):
             saved = self.mgr.save(step, metrics=None if value is None else {self.monitor: value},
                                   args=ocp.args.Composite(
                                       state=ocp.args.StandardSave(_key_data(state)),
-                                      meta=ocp.args.JsonSave(progress.write())))
+                                      meta=ocp.args.JsonSave(self.progress.write())))
             if not saved:  # (orbax refuses a step at or below the latest it lists)
                 raise RuntimeError(f"orbax refused to save step {step}: its latest step is "
                                    f"{self.mgr.latest_step()}")
@@ -2274,7 +2310,10 @@ class _Checkpoints:
         try:
             yield
         except Exception as e:
-            _quiet_failed_save(self.ckpt_dir)
+            for name in ("asyncio", "absl"):  # (for good: some come after fit's error)
+                logging.getLogger(name).addFilter(_quiet(self.ckpt_dir))
+            warnings.filterwarnings("ignore", r"coroutine '.*(write|serializ).*' was never "
+                                    r"awaited", RuntimeWarning)
             cause = _cause(e)
             fix = "Free space" if os.strerror(errno.ENOSPC) in cause else "Fix the cause"
             then = (f"The last good checkpoint is step {self.good}, and it is intact. {fix}, "
@@ -2292,22 +2331,32 @@ class _Checkpoints:
                 if self.mgr is not None:
                     self.mgr.close()
             finally:
-                logging.getLogger("absl").removeFilter(_quiet_orbax)
+                logging.getLogger("absl").removeFilter(self.quiet)
                 if self.lock is not None:  # the run is free for a resume
                     self.lock.close()
                     self.lock = None
 
 
-def _quiet_orbax(record):
-    """While fit runs, hides orbax's logged tracebacks of a failed save (fit raises it clearly)."""
-    return f"{os.sep}orbax{os.sep}" not in record.pathname
+def _quiet(ckpt_dir=None):
+    """A log filter that hides orbax's reports of a failure fit raises clearly: its records (while
+    fit runs); with `ckpt_dir` (after a failed save, for good), any that name the directory: the
+    save's other writes end later (its closed loop's tasks, its threads) and report it again."""
+    def quiet(record):
+        text = record.pathname if not ckpt_dir else record.getMessage() + (
+            "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
+        return f"{os.sep}orbax{os.sep}" not in text and not (ckpt_dir and ckpt_dir in text)
+    return quiet
 
 
 def _open(ckpt_dir, options):
     # Before orbax starts: reads or writes in flight when a restore or a save fails call back
     # into orbax's closed event loop, from tensorstore's threads, and each prints a traceback.
     if not getattr(sys.unraisablehook, "fit_quiet", False):
-        sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
+        def unraisable(error, hook=sys.unraisablehook):
+            if not (error.exc_type is RuntimeError and str(error.exc_value) ==
+                    "Event loop is closed"):
+                hook(error)
+        sys.unraisablehook, unraisable.fit_quiet = unraisable, True
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
 
@@ -2318,7 +2367,7 @@ def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           _key_data(state))
     # Compare first: orbax's own errors do not name the parameter whose shape differs.
-    name = lambda path: jax.tree_util.keystr(path, simple=True, separator="/")
+    name = _path_name
     weight = lambda path: not weights_only or name(path).split("/")[0] in ("params", "batch_stats")
     shapes = lambda tree: {name(path): tuple(x.shape) for path, x in
                            jax.tree_util.tree_leaves_with_path(tree) if weight(path)}
@@ -2412,28 +2461,6 @@ def _unrestorable(mgr, step, error, who):
              "so there is none to go back to: start a fresh run")
     return ValueError(f"{who}: the checkpoint of step {step} at {path} is damaged and cannot be "
                       f"restored: {_cause(error)}. {go_on}.")
-
-
-def _quiet_failed_save(ckpt_dir):
-    """After a failed save, orbax's other writes of it end later (its closed loop's tasks, its
-    threads), reporting the error again, some after the caller caught fit's: hide those for good."""
-    def echo(record):  # (the failed save's own error, reported again)
-        text = record.getMessage() + (
-            "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
-        return ckpt_dir not in text and f"{os.sep}orbax{os.sep}" not in text
-    for name in ("asyncio", "absl"):
-        logging.getLogger(name).addFilter(echo)
-    warnings.filterwarnings("ignore", r"coroutine '.*(write|serializ).*' was never awaited",
-                            RuntimeWarning)
-
-
-def _quiet_closed_loop(hook):
-    def quiet(unraisable):
-        if not (unraisable.exc_type is RuntimeError and
-                str(unraisable.exc_value) == "Event loop is closed"):
-            hook(unraisable)
-    quiet.fit_quiet = True
-    return quiet
 
 
 def _cause(error):
@@ -2577,6 +2604,15 @@ class _Signals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
+    @staticmethod
+    def honour(stopping, late):
+        """After the run is closed: SIGTERM or preemption (a stop's, or one `late`, after the last
+        step) exits 143, what schedulers expect; a late Ctrl-C stops the script."""
+        if stopping in ("SIGTERM", "preemption") or late in ("SIGTERM", "preemption"):
+            raise SystemExit(128 + signal.SIGTERM)
+        if late == "SIGINT" and stopping not in _SIGNALS:
+            raise KeyboardInterrupt
+
 
 # -- Checks and small helpers ------------------------------------------------------------------
 
@@ -2701,8 +2737,7 @@ def _check_schedule(state, opts, total):
         s = state.tx.init({})
         wrapped = optax.tree.get(s, "WrappedScheduleState")
         s = optax.tree.set(s, WrappedScheduleState=wrapped._replace(count=step))
-        is_array = lambda path, value: isinstance(value, jax.Array)
-        return optax.tree.get(state.tx.update({}, s, {})[1], "learning_rate", filtering=is_array)
+        return _lr_in(state.tx.update({}, s, {})[1])
     try:
         lrs = jax.jit(jax.vmap(opts.lr_fn or scheduled))(steps)
     except Exception:  # no schedule that fit can see: nothing to say
@@ -2779,7 +2814,7 @@ def _state_shardings(state, opts, mesh):
     `flax.linen.get_partition_spec`) over `mesh`; else a leaf's own over `mesh`; else replicated."""
     if opts.state_sharding is None:
         return _ema_as_params(jax.tree.map(lambda x: x.sharding if _split(x) and
-                                           x.sharding.mesh == mesh else NamedSharding(mesh, P()),
+                                           x.sharding.mesh == mesh else _replicated(mesh),
                                            state))
     state_sharding = opts.state_sharding
     tree = state_sharding(state) if callable(state_sharding) else state_sharding
@@ -2810,9 +2845,9 @@ def _on_mesh(mesh, path, x, sharding):
     replicated if a scalar or `rng`; a larger one would fail every step ("incompatible devices")."""
     if len(sharding.device_set) != 1 or mesh.size == 1:
         return sharding
-    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    name = _path_name(path)
     if np.ndim(x) == 0 or name == "rng":
-        return NamedSharding(mesh, P())
+        return _replicated(mesh)
     raise ValueError(f"fit: state_sharding puts {name} (shape {np.shape(x)}) on one device, "
                      f"{next(iter(sharding.device_set))}, but the mesh has {mesh.size}; give it "
                      f"a PartitionSpec (P() to replicate it) or a sharding over the mesh.")
@@ -2841,6 +2876,21 @@ def _place_state(state, seed, sharding):
     aliases = lambda p, x: isinstance(x, jax.Array) and (_is_key(x) or bool(buffers(p) &
                                                                          buffers(x)))
     return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p, placed, state)
+
+
+def _replicated(mesh):
+    return NamedSharding(mesh, P())
+
+
+def _path_name(path):
+    """A tree path as `params/Dense_0/kernel`."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _lr_in(tree):
+    """The learning rate that `optax.inject_hyperparams` keeps in an optimizer state, or None."""
+    is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
+    return optax.tree.get(tree, "learning_rate", filtering=is_array)
 
 
 def _is_nnx(x):

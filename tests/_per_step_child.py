@@ -4,7 +4,7 @@
 
 Trains the tiny MLP with FIT_PY (the repo's fit.py, or an older one from git) on a list of numpy
 batches, with fit's defaults (log_every=50: no log point, eval or save in the first 30 steps), and
-counts, between the 5th and the 15th dispatch of a step (`_Meter.train`), the calls of fit's
+counts, between the 5th and the 15th dispatch of a step (`_Meter.dispatch`), the calls of fit's
 `_kinds`, numpy's `dtype.__str__` (Python code in numpy 2), `NamedSharding(...)`,
 `jax.process_count()`, and of the loop's bookkeeping (`_Meter.read`, `_Plan.due`). Writes
 `{name: count}` to OUT_JSON.
@@ -63,7 +63,8 @@ class Counted(type):  # NamedSharding(...) counted; isinstance(x, NamedSharding)
 
 
 fit.NamedSharding = Counted("NamedSharding", (), {})
-real_train = fit._Meter.train
+DISPATCH = "dispatch" if hasattr(fit._Meter, "dispatch") else "train"  # (named train before #33)
+real_train = getattr(fit._Meter, DISPATCH)
 
 
 def train(self, *args, **kwargs):
@@ -71,7 +72,7 @@ def train(self, *args, **kwargs):
     return real_train(self, *args, **kwargs)
 
 
-fit._Meter.train = train
+setattr(fit._Meter, DISPATCH, train)
 rng = np.random.default_rng(0)
 batches = [(rng.normal(size=(16, 8, 8, 1)).astype(np.float32),
             rng.integers(0, 10, 16).astype(np.int32)) for _ in range(30)]
