@@ -31,23 +31,23 @@ rngs={"dropout": fold_in(rng, step)})` (another model: `train_step(state, batch[
 `eval/<name>/<metric>`); hooks `hook(event, run)` that may set `run.stop`, `run.save` (`_Run`).
 
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
-that order, each opened by a banner comment. The map:
+that order, each opened by a banner comment, and the guards come after them all. The map:
 
     TrainState, Weighted, lr_schedule  public building blocks; ema, the weights' average
-    Options                            every option, its default and its check
+    Options                            every option, its default, its rules
     fit                                the story: check, place, build the steps, open the run, loop
     load_ckpt, evaluate, History       the rest of the public API
     EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
-    _Run, _Best, _Progress             what hooks see; the best checkpoint; what a checkpoint holds
-    _end_epoch, _save, _evaluate       an epoch's end, a save, an eval
-    _Data, _grouped, _prefetch, _putter  batches and their positions; steps_per_jit; placement
-    _Plan                              every period in steps; the monitor
+    _adapt, _nnx_adapter               the model: linen's call, or nnx's as a TrainState
+    _mesh, _place_state, _putter       placement: the mesh, the state's copy, batches
+    _Data, _grouped, _prefetch         batches and their positions; steps_per_jit's groups
     _StepConfig, _build_steps          every jax.jit, built from what traced code reads, cached
-    _nnx_adapter                       nnx models as a TrainState
-    _Meter                             train metrics and time on the host, one step late
-    _Checkpoints, _claim_run, _restore the run's claim and lock; orbax; damaged checkpoints
-    _Signals                           SIGINT, SIGTERM, preemption
-    checks and helpers                 option rules, meshes, shardings, placing the state
+    _Plan                              every period in steps; the monitor
+    _Progress, _Best, _Checkpoints     what a checkpoint holds; the best; orbax, saves, restores
+    _Run                               what hooks see; calling them
+    _Meter, _Loop                      train metrics and time on the host; the loop's body
+    guards                             checks before any work, advice on your functions, the
+                                       run's claim and lock, damaged checkpoints, signals
 """
 import collections.abc
 import contextlib
@@ -116,6 +116,8 @@ class TrainState(train_state.TrainState):
 
 
 Weighted = collections.namedtuple("Weighted", "total weight")
+
+
 Weighted.__doc__ = """A metric given as a sum and its weight, e.g. `Weighted(token_losses.sum(),
 mask.sum())` for a padded batch: fit logs sum(total) / sum(weight) over the whole eval set or log
 interval, exactly, where a plain per-batch mean is weighted by rows (eval) or steps (train). A loss
@@ -193,9 +195,8 @@ def _ema_params(opt_state):
     return found[0] if found else None
 
 
-def _is_eval(monitor):
-    """Whether a metric is an eval's (judged at evals, of one state): `eval/...`, `eval_ema/...`."""
-    return monitor.split("/")[0] in ("eval", "eval_ema")
+def _positive_int(value):
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0
 
 
 _TRACED = {"traced": True}  # the mark of an option that traced code reads (see _StepConfig)
@@ -292,6 +293,38 @@ class Options:
     state_sharding: Any = None
     axis_name: str | None = dataclasses.field(default=None, metadata=_TRACED)
 
+    # option: (error, is a value valid?, what it must be); None passes if it is the default
+    _RULES = {
+        **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit",
+                         "grad_accum", "ckpt_every", "max_steps", "steps_per_epoch", "eval_every",
+                         "batch_size"), (ValueError, _positive_int, "a positive integer")),
+        "eval_steps": (ValueError, lambda v: _positive_int(v) or isinstance(v, dict) and all(
+            map(_positive_int, v.values())), "a positive integer, or a dict {eval set: one}"),
+        **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn", "nnx_loss_fn"),
+                        (TypeError, callable, "a function")),
+        "mode": (ValueError, lambda v: v in ("auto", "min", "max"), "'auto', 'min' or 'max'"),
+        "verbose": (ValueError, lambda v: v in (0, 1, 2), "0, 1 or 2"),
+        "on_nonfinite": (ValueError, lambda v: v in ("raise", "skip"), "'raise' or 'skip'"),
+        "ckpt_interval": (ValueError, lambda v: isinstance(v, (int, float)) and v > 0,
+                          "a positive number of seconds"),
+        "peak_tflops": (ValueError, lambda v: isinstance(v, (int, float)) and not isinstance(
+            v, bool) and v > 0, "a positive number (a device's dense TFLOP/s)"),
+        "hooks": (TypeError, lambda v: isinstance(v, (list, tuple)) and all(map(callable, v)),
+                  "a list of functions hook(event, run)"),
+        "hparams": (TypeError, lambda v: isinstance(v, dict), "a dict of name -> value"),
+        "resume": (ValueError, lambda v: isinstance(v, bool) or isinstance(v, str) and v,
+                   "True, False or the name of a run"),
+        "batch_keys": (ValueError, lambda v: isinstance(v, (tuple, list)) and len(v) == 2,
+                       "a pair (inputs_key, targets_key)"),
+        **dict.fromkeys(("tensorboard", "ema_eval"), (TypeError, lambda v: isinstance(v, bool),
+                                                      "True or False")),
+        "workdir": (ValueError, lambda v: isinstance(v, (str, os.PathLike)) and not re.match(
+            r"[a-zA-Z][\w+.-]*://", str(v)), "a local directory (URLs such as gs://... are not "
+                    "supported: use a mounted path)"),
+        "log_name": (ValueError, lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]+", v),
+                     "a non-empty name of letters, digits, '_', '-' or '.'"),
+    }
+
     @classmethod
     def of(cls, kwargs):
         names = [f.name for f in dataclasses.fields(cls)]
@@ -303,7 +336,7 @@ class Options:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            value, rule = getattr(self, f.name), _RULES.get(f.name)
+            value, rule = getattr(self, f.name), self._RULES.get(f.name)
             if rule and not (value is None and f.default is None or rule[1](value)):
                 raise rule[0](f"fit: {f.name} must be {rule[2]}, got {value!r}.")
         if self.eval_every and self.eval_freq != 1:
@@ -312,9 +345,6 @@ class Options:
         if self.grad_accum > 1 and self.train_step is not None:
             raise ValueError(f"fit: grad_accum={self.grad_accum} splits fit's own train step; "
                              f"your train_step accumulates on its own (drop grad_accum).")
-        if self.mesh is not None and "data" not in self.mesh.axis_names:
-            raise ValueError(f"fit: mesh must have a 'data' axis to shard batches over, got "
-                             f"axes {self.mesh.axis_names}.")
 
     def __repr__(self):  # (a jitted step's error prints it: not the user's optimizer or model)
         return "<fit options>"
@@ -362,6 +392,7 @@ def fit(state, train_ds, test_ds=None, **options):
     averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's, inside)
     plan = _Plan(opts, train, tests, steps.train_names, steps.eval_names, averaged=averaged)
     verbose = _verbosity(opts.verbose)
+    _check_one_shot(train, tests, opts, plan.total)
     _check_schedule(state, opts, plan.total)
 
     # 4. Open the run: claim it, restore its checkpoint if it goes on, set up the hooks.
@@ -692,305 +723,242 @@ class TensorBoard:
             run.writer = self.writer = None
 
 
-# -- The run as hooks see it, the best so far, an epoch's end, a save, an eval -----------------
+# -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables --
 
-class _Run:
-    """What a hook sees: `event` (`train_start`, `log`, `epoch_end`, `eval`, `save` before a
-    checkpoint, `train_end`), `step`, `epoch`, `state` (valid during the call only: the next step
-    donates it), `metrics` (the interval's or epoch's train means, or the eval's), `history`,
-    `name` (`mnist_3`), `id` (the name and a hash of the checkpoint directory: the same on every
-    resume, another in another workdir; e.g. for `wandb.init(id=run.id, resume="allow")`),
-    `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`,
-    `stopped_early`, `interrupted`; it may set `stop` (final), `save`, and at train_end `state`
-    (at another event, assigning it raises); `with run.timed(name):` times a hook's own work. At
-    `log`, `step` is the log step whose interval `metrics` covers and `state` is one call later:
-    fit reads a log point's metrics after it dispatches the next step, so the host never waits for
-    the device; at other events `state` is that of `step`. `_Run` calls the hooks, keeps the
-    history and hooks' `get_state()`, and makes processes agree on what hooks and signals ask."""
-
-    def __init__(self, hooks, plan, ckpts, progress):
-        best = self.best_of = ckpts.best
-        self.hooks, self.hook_states = hooks, progress.hooks
-        best.go_on(progress)
-        self.total_steps, self.num_epochs = plan.total, plan.num_epochs
-        self.monitor, self.mode = best.monitor, best.mode
-        self.log_dir, self.ckpt_dir, self.writer = ckpts.log_dir, ckpts.ckpt_dir, None
-        # The run's name, and an id that no other workdir's run of that name has (for trackers)
-        where = hashlib.sha256(os.path.abspath(ckpts.ckpt_dir).encode()).hexdigest()[:8]
-        self.name, self.id = ckpts.run, f"{ckpts.run}-{where}"
-        history = self.history = History(progress.history)
-        history.run, history.log_dir, history.ckpt_dir = ckpts.run, ckpts.log_dir, ckpts.ckpt_dir
-        self.stopping = progress.stop  # (a hook's stop, for good: _Progress.go_on)
-        self.stopped_early = self.interrupted = self.stop = self.save = False
-        self.event = self.step = self.epoch = self.state = None
-        self.metrics, self.last_eval, self.meter = {}, None, None  # (meter: set once it runs)
-
-    best = property(lambda self: self.best_of.value)  # (the best monitored value so far)
-
-    def call(self, event, state, step, epoch, *, metrics=None, save=False, stop=None):
-        """Calls every hook with (event, run), then takes what they asked for. A stop or save that
-        any of several processes asks for (a hook, a signal: `stop`) holds for all."""
-        self.event, self.state, self.step, self.epoch = event, state, step, epoch
-        self.metrics, self.stop, self.save = metrics or {}, False, self.save or save
-        self.stopping = self.stopping or stop
-        self.best_of.see(self.metrics, step)
-        for i, hook in enumerate(self.hooks):
-            # Your hooks' time is left out of steps/s (`hooks_s`); the built-in ones' stays in.
-            with contextlib.nullcontext() if type(hook) in (ProgressBar, TensorBoard) or \
-                    not self.meter else self.meter.timed("hooks"):
-                hook(event, self)
-            if self.state is not state and event != "train_end":
-                raise ValueError(f"fit: hook {_name(hook)} assigned run.state at {event!r}, "
-                                 f"where fit would ignore it: only at 'train_end' does a hook's "
-                                 f"state become the one fit returns.")
-            if self.stop and not self.stopping:
-                self.stopping = _name(hook)
-            if event == "train_start" and str(i) in self.hook_states and hasattr(hook, "set_state"):
-                hook.set_state(self.hook_states[str(i)])  # what it had at the checkpoint
-        if jax.process_count() > 1 and event != "train_end":  # (a collective all reach)
-            # Every process saves the same: a hook's stop (final) outranks a signal's (resumable).
-            kind = 0 if not self.stopping else 1 if self.stopping in _SIGNALS else 2
-            flags = np.array([kind, self.save], np.int32)
-            most, save = multihost_utils.process_allgather(flags).max(0)
-            self.save = bool(save)
-            if most > kind:
-                self.stopping = "SIGINT" if most == 1 else "a hook on another process"
-        return self.state
-
-    def timed(self, name):
-        """`with run.timed("upload"):` a hook's own work, as `history.timing["upload_s"]`; all of
-        your hooks' time is kept out of steps/s anyway, as `hooks_s`."""
-        if self.meter and name in self.meter.spent:
-            raise ValueError(f"fit: run.timed({name!r}) would add to fit's own {name}_s; "
-                             f"name your part otherwise.")
-        return self.meter.timed(name) if self.meter else contextlib.nullcontext()
-
-    def record(self, row, *items):
-        for name, value in [*items, *row.items()]:
-            self.history.setdefault(name, []).append(value)
-
-    def evaluate(self, state, step, epoch, metrics):
-        self.last_eval = step
-        self.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
-        self.save = self.best_of.track(metrics, step) or self.save
-        self.call("eval", state, step, epoch, metrics=metrics)
-
-    def end(self, state, step, epoch):
-        """The train_end hooks; EarlyStopping may swap in the best state here. A run that was
-        already finished calls only these, so it returns what its first call returned."""
-        self.stopped_early, self.interrupted = bool(self.stopping), self.stopping in _SIGNALS
-        return self.call("train_end", state, step, epoch)
-
-    def close(self):
-        """After an error: the built-in hooks close bar and files (the user's get no train_end)."""
-        if self.event != "train_end":
-            self.interrupted = True
-            for hook in [h for h in self.hooks if isinstance(h, (TensorBoard, ProgressBar))]:
-                hook("train_end", self)
+def _adapt(state, opts, who="fit"):
+    """`(state, forward, eval_step, finish, linen)`: a TrainState as it is, called by
+    `_linen_forward`; an nnx model as a TrainState (`_nnx_adapter`), `finish` writing it back."""
+    if not _is_nnx(state):
+        return state, _linen_forward, opts.eval_step, lambda state: state, True
+    return *_nnx_adapter(state, opts.optimizer, who, nnx_loss_fn=opts.nnx_loss_fn,
+                         eval_step=opts.eval_step), False
 
 
-class _Best:
-    """The one owner of the best checkpoint: the monitor and its mode, the best value so far and
-    its step, the values of the `max_to_keep` best (`top`), a save's rank, what orbax keeps."""
-
-    def __init__(self, plan, max_to_keep):
-        self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, max_to_keep
-        self.value = self.step = None
-        self.top, self.seen = [], (None, None)  # (seen: the latest monitored value, its step)
-        self.better = lambda a, b: a >= b if self.mode == "max" else a <= b
-
-    def go_on(self, progress):
-        """Where a resumed run left its best."""
-        self.value, self.step, self.top = progress.best, progress.best_step, list(progress.top)
-
-    def see(self, metrics, step):
-        if self.monitor in metrics:
-            self.seen = (metrics[self.monitor], step)
-
-    def track(self, metrics, step):
-        """Follows the best monitored value; True: an eval that enters the kept best, to save."""
-        value = metrics.get(self.monitor)
-        if value is None:
-            return False
-        # A tie moves the best to the later step: orbax's BestN keeps the later of equal ones.
-        if self.value is None or self.better(value, self.value):
-            self.value, self.step = value, step
-        return _is_eval(self.monitor) and (
-            len(self.top) < self.max_to_keep or self.better(value, self.top[-1]))
-
-    def rank(self, step):
-        """The monitored value to rank a checkpoint of `step` by (an eval's only if it judged this
-        very state), recorded among the kept best; None: it is kept as the last, not a best."""
-        value, at = self.seen
-        if value is None or (_is_eval(self.monitor) and at != step):
-            return None
-        self.top = sorted(self.top + [value], reverse=self.mode == "max")[:self.max_to_keep]
-        return value
-
-    def manager_options(self):
-        """What orbax keeps: the latest checkpoint and the `max_to_keep` best. (`best_fn` with
-        `max_to_keep` alone would delete the latest, and keep saves without metrics forever.)"""
-        policies, metric = ocp.checkpoint_managers, lambda m: m[self.monitor]
-        policy = policies.AnyPreservationPolicy([policies.LatestN(1), policies.BestN(
-            get_metric_fn=metric, reverse=self.mode == "min", n=self.max_to_keep,
-            keep_checkpoints_without_metrics=False)])
-        # best_fn too: orbax 0.12 writes a step's metrics to disk (read back on resume) only with
-        # it; without, BestN took earlier runs' best for a metric-less save and deleted it.
-        return dict(preservation_policy=policy, best_fn=metric, best_mode=self.mode)
+def _linen_forward(loss_fn, state, params, batch, rng, *, train):
+    """A linen model's `(loss_fn(outputs, targets), new batch_stats)`; dropout draws from `rng`."""
+    inputs, targets = batch
+    stats = getattr(state, "batch_stats", {})  # (a class without the field: a model without)
+    has_stats = bool(jax.tree.leaves(stats))
+    variables = {"params": params, **({"batch_stats": stats} if has_stats else {})}
+    kwargs = {"rngs": {"dropout": rng}, "mutable": ["batch_stats"] if has_stats else False}
+    out = state.apply_fn(variables, inputs, train=train, **(kwargs if train else {}))
+    if train and has_stats:  # (with mutable collections, apply returns them beside the outputs)
+        out, stats = out[0], out[1]["batch_stats"]
+    return loss_fn(out, targets), stats
 
 
-@dataclasses.dataclass
-class _Progress:
-    """What a checkpoint holds besides the state, all a resume needs to go on exactly (the JSON
-    item `meta`): fields, defaults, reader (a missing field: its default), writer, resume checks."""
-    epoch: int = 0
-    position: Any = (0, None)  # batches done in the epoch, the data iterator's state after them
-    meter: Any = None          # the train metrics' sums (_Meter.sums)
-    history: Any = dataclasses.field(default_factory=lambda: {"epoch": [], "step": []})
-    best: Any = None           # the best monitored value, its step, the kept best values
-    best_step: Any = None
-    top: Any = dataclasses.field(default_factory=list)
-    hooks: Any = dataclasses.field(default_factory=dict)  # get_state() of hooks, by position
-    stop: Any = None           # a hook's stop, which is final (a signal's stop is resumable)
-    target: Any = (None, None)  # num_epochs and max_steps of the call that wrote it
-    seed: Any = None
-    batching: Any = (None, None)  # the global batch size and the batches per epoch
+# An nnx model and its optimizer as a TrainState of plain dicts (what hooks see): `params` is what
+# the optimizer trains (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the
+# Rngs' state, so dropout resumes exactly). Each step merges them in plain `jax.jit` (nnx.jit
+# costs ~0.3 ms more a call); `finish(state)` writes the user's model and optimizer, in place.
+def _nnx_adapter(model, optimizer, who="fit", *, nnx_loss_fn=None, eval_step=None):
+    from flax import nnx
+    if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only): no optimizer
+        optimizer = types.SimpleNamespace(tx=None, opt_state=None, step=np.int32(0), wrt=nnx.Param)
+    missing = [a for a in ("tx", "opt_state", "step", "wrt") if not hasattr(optimizer, a)]
+    if missing:  # (not the object's repr: an optimizer's repr prints the whole model)
+        got = "None" if optimizer is None else f"{type(optimizer).__name__} (no {missing})"
+        raise TypeError(f"{who}: an nnx model needs optimizer=nnx.Optimizer(model, tx, "
+                        f"wrt=nnx.Param), got optimizer={got}.")
+    # Plain dicts, not nnx.State: jit flattens the state every call, State twice as slowly.
+    is_state = lambda x: isinstance(x, nnx.State)
+    pure = lambda tree: jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x,
+                                     nnx.as_pure(tree), is_leaf=is_state)
+    nnx.pop(model, nnx.Intermediate)  # sow()n values are per call outputs, not state to carry
+    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
+    state = TrainState(step=optimizer.step[...], apply_fn=None, params=pure(params),
+                       tx=optimizer.tx, opt_state=pure(optimizer.opt_state), batch_stats=pure(rest))
+    try:
+        if state.tx is not None:
+            jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{who}: the optimizer's state does not fit the model's parameters; "
+                         f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
+                         f"({e})") from None
 
-    @classmethod
-    def read(cls, meta):
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in meta.items() if k in names})
+    def merged(params, rest, train):
+        model = nnx.merge(graphdef, params, rest)
+        model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
+        return model
 
-    def write(self):
-        return _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+    def forward(loss_fn, state, params, batch, rng, *, train):
+        model = merged(params, state.batch_stats, train)
+        if nnx_loss_fn:  # the user's call, with the step's key (fit's rng, not the model's)
+            out = _call_nnx_loss(nnx_loss_fn, model, batch, nnx.Rngs(rng))
+        else:  # Dropout draws from the model's own Rngs, carried in batch_stats
+            out = loss_fn(model(batch[0]), batch[1])
+        nnx.pop(model, nnx.Intermediate)
+        return out, pure(nnx.state(model, nnx.Not(optimizer.wrt)))
 
-    def check(self, run, seed, batching):
-        """Checks the seed (shuffles, keys) and batching against the run's (None: not known)."""
-        if self.seed is not None and self.seed != seed:
-            raise ValueError(f"fit: run {run} was trained with seed={self.seed}; resume it with "
-                             f"that seed, or start a fresh run.")
-        if any(a is not None and b is not None and a != b for a, b in zip(self.batching, batching)):
-            n, processes = self.batching[0], jax.process_count()
-            option = "" if n is None or n % processes else (
-                f" (arrays (x, y): batch_size={n // processes}"
-                f"{f' in each of the {processes} processes' if processes > 1 else ''})")
-            raise ValueError(f"fit: run {run} was trained with a global batch size of {n} and "
-                             f"{self.batching[1]} batches per epoch; this call feeds "
-                             f"{batching[0]} and {batching[1]}, so it would not go on where the "
-                             f"run stopped. Resume it with its own batch size{option} and data, "
-                             f"or start a fresh run (resume=False).")
+    def eval_fn(state, batch):
+        return eval_step(merged(state.params, state.batch_stats, False), batch)
 
-    def go_on(self, saved):
-        """This call's progress from a checkpoint's (`saved`), keeping this call's target, seed and
-        batching; a hook's stop holds only if the run goes no further than that one did."""
-        for name in {f.name for f in dataclasses.fields(self)} - {"target", "seed", "batching"}:
-            setattr(self, name, getattr(saved, name))
-        self.stop = saved.stop if saved.final(*self.target) else None
+    def finish(state):
+        nnx.update(model, state.params, state.batch_stats)
+        if state.tx is not None:
+            nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
+            optimizer.step[...] = state.step
+        return model
 
-    def final(self, num_epochs, max_steps):
-        """Whether a hook ended the run for good: it goes on only if asked to go further."""
-        epochs, steps = self.target
-        return bool(self.stop) and num_epochs <= epochs and (
-            (max_steps or math.inf) <= (steps or math.inf))
-
-
-class _Loop:
-    """The loop's body around its steps, built once by `fit`: the log points (`log`, with the
-    `poll`), an eval, an epoch's end, a save. It holds the run's parts, so none is handed around."""
-
-    def __init__(self, run, meter, ckpts, signals, *, plan, tests, verbose):
-        self.run, self.meter, self.ckpts, self.signals = run, meter, ckpts, signals
-        self.plan, self.tests, self.verbose = plan, tests, verbose
-
-    def log(self, state, step, epoch, *, due=False, sync=False):
-        """A `log` event for each log point whose sums `_Meter.read` returns; at the loop's own
-        log points (not `sync`), first the poll."""
-        logged = self.meter.read(step, due, sync)
-        save, stop = self.poll() if logged and not sync else (False, None)
-        for at, metrics in logged:
-            self.run.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
-
-    def poll(self):
-        """`(save, stop)`: whether `ckpt_interval` has passed, and a signal to one of several
-        processes (decided together at the next call); a failed asynchronous save raises here.
-        At log points only: orbax's calls cost host time that a tiny model's steps feel."""
-        self.ckpts.raise_failed()
-        return self.ckpts.overdue(), self.signals.asked
-
-    def evaluate(self, state, step, epoch):
-        """An eval of every set: `eval/<metric>`, or `eval/<set>/<metric>` for named sets; with
-        `plan.ema`, the average's too, `eval_ema/...`."""
-        states = {"eval": state}
-        if self.plan.ema:
-            states["eval_ema"] = state.replace(params=_ema_params(state.opt_state))
-        metrics = {_metric_tag(part, name, k): v for part, of in states.items()
-                   for name, test in self.tests.items()
-                   for k, v in _evaluate(self.meter.steps, test, of, name, self.meter).items()}
-        self.run.evaluate(state, step, epoch, metrics)
-
-    def end_epoch(self, state, step, epoch, *, complete):
-        """An epoch's end: last log, history row, hooks, due eval (`complete=False`: max_steps
-        cut it)."""
-        run = self.run
-        self.log(state, step, epoch, due=True, sync=True)
-        row = self.meter.means("epoch", reset=complete)  # (a cut epoch's sums go on on resume)
-        run.record(row, ("epoch", epoch + 1), ("step", step))
-        run.best_of.track(row, step)  # (an eval/ monitor is not in the row: no-op)
-        run.call("epoch_end", state, step, epoch, metrics=row)
-        last = self.plan.done(epoch + complete, step)
-        if self.plan.eval_at_epoch_end(epoch + 1, last) and run.last_eval != step:
-            self.evaluate(state, step, epoch)
-
-    def save(self, state, step, epoch, position):
-        """A checkpoint of this step (asynchronous) with all the run depends on (`_Progress`);
-        first the metrics are read and the parameters checked, so a NaN state is never written."""
-        run, meter = self.run, self.meter
-        if step == self.ckpts.saved:
-            return
-        self.log(state, step, epoch, sync=True)
-        with meter.timed("save"):  # (the check, the hooks and orbax's blocking part)
-            meter.check(step, None, state)
-            run.call("save", state, step, epoch)
-            if run.stopping:
-                run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
-            best, value = run.best_of, run.best_of.rank(step)  # (first: the record holds it)
-            vars(self.ckpts.progress).update(
-                epoch=epoch, position=position if position[0] else (0, None), meter=meter.sums,
-                history=run.history, best=best.value, best_step=best.step, top=best.top,
-                stop=None if run.stopping in _SIGNALS else run.stopping,
-                hooks={str(i): h.get_state() for i, h in enumerate(run.hooks)
-                       if hasattr(h, "get_state")})
-            self.ckpts.save(step, state, value)
-        run.save = False
-        if run.stopping in _SIGNALS:
-            _say(self.verbose, f"fit: stopped by {run.stopping} at step {step}; checkpoint "
-                               f"saved, continue with resume=True.")
+    return state, forward, eval_step and eval_fn, finish
 
 
-def _metric_tag(part, eval_set, metric):
-    """`eval/accuracy`, or with a named eval set `eval/val/accuracy`."""
-    return f"{part}/{metric}" if eval_set is None else f"{part}/{eval_set}/{metric}"
+def _call_nnx_loss(fn, model, batch, rngs):
+    """`fn(model, batch, rngs)`, or by name where `fn` names them so: the NNX tutorial's loss_fn
+    takes `(model, rngs, batch)`. (At trace time only: no cost a step.)"""
+    try:
+        p = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # (a signature Python cannot read: called positionally)
+        p = {}
+    if all(k in p and p[k].kind != p[k].POSITIONAL_ONLY for k in ("batch", "rngs")):
+        return fn(model, batch=batch, rngs=rngs)
+    return fn(model, batch, rngs)
 
 
-def _evaluate(steps, test, state, name=None, meter=None):
-    """Metrics over one eval set, summed on device, read once (`meter`: evals out of the rate)."""
-    with meter.timed("eval") if meter else contextlib.nullcontext():
-        acc, step = steps.eval0[name], steps.eval[name]
-        for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), steps.put):
-            acc = step(state, acc, batch)
-        *sums, batches = jax.device_get(acc).tolist()
-    if not batches:
-        raise ValueError(f"fit: {test.name} yielded no batches; a generator can be iterated "
-                         f"only once: pass a list or a re-iterable loader.")
-    names = steps.eval_names[name]
-    return {k: _mean(k, total, weight, "eval_step", f"the eval set {test.name}")
-            for k, total, weight in zip(names, sums[:len(names)], sums[len(names):])}
+# -- Placement: the mesh, the state's shardings and its private copy, batches on the devices ---
+
+def _mesh(opts, state):
+    """`mesh=`; else the mesh that the state's arrays are already sharded over (they keep their
+    shardings); else the one set with `jax.set_mesh` around the call (code inside it must run on
+    that mesh); else every device along one 'data' axis."""
+    own = {x.sharding.mesh for x in jax.tree.leaves(state) if _split(x)}
+    mesh = opts.mesh or _default_mesh()
+    if opts.mesh is None and opts.state_sharding is None and len(own) == 1:
+        mesh = own.pop()
+    if "data" not in mesh.axis_names:
+        where = "mesh=" if opts.mesh else "the state's mesh (or the one set with jax.set_mesh)"
+        raise ValueError(f"fit: {where} has axes {mesh.axis_names}, without a 'data' axis to "
+                         f"shard batches over; pass mesh= with one.")
+    if not opts.axis_name:
+        return mesh  # as given: the mesh that the state's shardings name, axis types and all
+    # A model written for pmap calls lax.pmean(..., axis_name): the data axis takes that name.
+    names = tuple(opts.axis_name if axis == "data" else axis for axis in mesh.axis_names)
+    return Mesh(mesh.devices, names, axis_types=mesh.axis_types)
 
 
-# -- Data: batches, their positions for a resume; steps_per_jit's groups; prefetch, placement --
+def _default_mesh():
+    """The mesh set with `jax.set_mesh` around the call, else every device on one 'data' axis."""
+    context = jax.sharding.get_mesh()
+    return Mesh(np.array(jax.devices()), ("data",)) if context.empty else context
 
-_SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
 
+@functools.lru_cache(maxsize=None)
+def _local_shards(mesh, axis):
+    """Over how many slices of `axis` this process's devices split its rows (all, alone)."""
+    i = mesh.axis_names.index(axis)
+    return len({idx[i] for idx in np.ndindex(mesh.devices.shape)
+                if mesh.devices[idx].process_index == jax.process_index()})
+
+
+def _split(x):
+    """Whether `x` is an array split over the devices of a mesh."""
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated
+
+
+def _state_shardings(state, opts, mesh):
+    """Where each leaf of the state lives: `state_sharding` (a tree like the state, or a function of
+    it, of PartitionSpecs or shardings, as your own jax.jit takes, e.g. from
+    `flax.linen.get_partition_spec`) over `mesh`; else a leaf's own over `mesh`; else replicated."""
+    if opts.state_sharding is None:
+        return _ema_as_params(jax.tree.map(lambda x: x.sharding if _split(x) and
+                                           x.sharding.mesh == mesh else _replicated(mesh),
+                                           state))
+    state_sharding = opts.state_sharding
+    tree = state_sharding(state) if callable(state_sharding) else state_sharding
+    is_leaf = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))
+    to_sharding = lambda s: s if isinstance(s, jax.sharding.Sharding) else NamedSharding(
+        mesh, s or P())
+    try:
+        shardings = jax.tree.map(to_sharding, tree, is_leaf=is_leaf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"fit: state_sharding must be a tree like the state (or a function of "
+                         f"it) of PartitionSpecs or shardings: {e}") from None
+    if jax.tree.structure(shardings) != jax.tree.structure(state):  # (a prefix of the state)
+        return shardings
+    return _ema_as_params(jax.tree_util.tree_map_with_path(functools.partial(_on_mesh, mesh),
+                                                           state, shardings))
+
+
+def _ema_as_params(shardings):
+    """The state's shardings with an `ema` average's leaves placed as the params are."""
+    if not hasattr(shardings, "opt_state") or not hasattr(shardings, "params"):
+        return shardings
+    like = lambda x: x._replace(fit_ema_params=shardings.params) if _is_ema(x) else x
+    return shardings.replace(opt_state=jax.tree.map(like, shardings.opt_state, is_leaf=_is_ema))
+
+
+def _on_mesh(mesh, path, x, sharding):
+    """A leaf `state_sharding` leaves on one device of a larger mesh (made there, as fit's `rng`) is
+    replicated if a scalar or `rng`; a larger one would fail every step ("incompatible devices")."""
+    if len(sharding.device_set) != 1 or mesh.size == 1:
+        return sharding
+    name = _path_name(path)
+    if np.ndim(x) == 0 or name == "rng":
+        return _replicated(mesh)
+    raise ValueError(f"fit: state_sharding puts {name} (shape {np.shape(x)}) on one device, "
+                     f"{next(iter(sharding.device_set))}, but the mesh has {mesh.size}; give it "
+                     f"a PartitionSpec (P() to replicate it) or a sharding over the mesh.")
+
+
+def _place_state(state, seed, sharding):
+    """A private, placed copy of the caller's state (the step donates its input), of its own
+    class, with strong dtypes (`TrainState.create` makes a weakly-typed step, orbax restores a
+    strong one), so a fresh and a restored state hit the same compilation. `sharding`: a
+    Sharding, or a function of the state completed here (fit's `rng` filled from `seed`)."""
+    if getattr(state, "rng", False) is None:  # (fit's TrainState: raw key data, for orbax)
+        state = state.replace(rng=jax.random.key_data(jax.random.key(seed)))
+    if getattr(state, "batch_stats", False) is None:
+        state = state.replace(batch_stats={})
+    # Weak types and non-jax leaves (Python and numpy scalars) become strong numpy values.
+    state = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not getattr(
+        x, "weak_type", False) else np.asarray(x), state)  # (typed keys have no weak_type)
+    sharding = sharding(state) if callable(sharding) else sharding
+    # The transfer makes the copy (jnp copies compile an eager op per shape). Onto several devices
+    # it reuses the caller's buffer as one shard (jax 0.10), which donation would delete: copy it.
+    placed = jax.device_put(state, sharding, may_alias=False)
+    # (addressable_data, not addressable_shards: a replicated array of a process with one
+    # device in a job of several lists shards that it cannot build, jax 0.10)
+    buffers = lambda x: {x.addressable_data(i).unsafe_buffer_pointer()
+                         for i in range(len(x.sharding.addressable_devices))}
+    aliases = lambda p, x: isinstance(x, jax.Array) and (_is_key(x) or bool(buffers(p) &
+                                                                         buffers(x)))
+    return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p, placed, state)
+
+
+def _putter(mesh, data_axis):
+    """`put(batch, stacked=False)`, which shards a batch (this process's rows) along its leading
+    axis over the mesh (`stacked`: each of k batches). A batch that does not split evenly (a small
+    last batch) goes whole to every device: exact, if redundant. Its shardings and the process
+    count are made here, once: per batch they cost ~1-5 us. A jax.Array moves device to device.
+    On one device numpy goes to the jitted step as it is: jit's C++ path places it faster than
+    device_put, whose arrays the step then waits for (an H100: ~180 us a tiny-MLP batch by jit,
+    ~375 by device_put and jit; fit's steps/s +10% on a tiny MLP and +9% on a transformer)."""
+    if mesh.size == 1 and jax.process_count() == 1:
+        one = _replicated(mesh)
+        numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
+        return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
+    shards, processes = _local_shards(mesh, data_axis), jax.process_count()
+    split = [NamedSharding(mesh, P(data_axis)), NamedSharding(mesh, P(None, data_axis))]
+    whole = _replicated(mesh)
+
+    def put(batch, stacked=False):
+        splits = jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
+        sharding = split[stacked] if splits else whole
+        if processes == 1:
+            return jax.device_put(batch, sharding)
+        if not splits:  # every device needs the whole global batch: gather all processes' rows
+            batch = jax.tree.map(lambda a: np.concatenate(a, axis=int(stacked)),  # (a host round
+                                 multihost_utils.process_allgather(batch))  # trip, once an epoch)
+        return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), batch)
+    return put
+
+
+def _replicated(mesh):
+    return NamedSharding(mesh, P())
+
+
+# -- Data: batches and their positions for a resume; steps_per_jit's groups; prefetch ----------
 
 def _eval_sets(ds, who, opts):
     """The eval data as `{name: _Data}`: a dict's named sets, or one set named None; each capped
@@ -1208,6 +1176,12 @@ def _position(iterator):
     return {"bytes": state.decode()} if isinstance(state, bytes) else {"state": _jsonable(state)}
 
 
+def _kinds(batch):
+    """What all batches of a data set share: structure, dtypes, ranks (a key of the step cache)."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, tuple((np.dtype(a.dtype), len(a.shape)) for a in leaves)
+
+
 def _grouped(batches, k, step, max_steps=None, said=None):
     """Yields `(batch, position, steps)`: runs of `k` equally shaped batches stacked (steps_per_jit)
     from multiples of k in absolute steps, so a resume groups alike; other batches run singly."""
@@ -1232,13 +1206,10 @@ def _grouped(batches, k, step, max_steps=None, said=None):
             continue
         group.append((batch, position))
         if len(group) == k:
-            yield jax.tree.map(_stack, *[b for b, _ in group]), position, k
+            stack = lambda *a: (jnp.stack if isinstance(a[0], jax.Array) else np.stack)(a)
+            yield jax.tree.map(stack, *[b for b, _ in group]), position, k
             step, group = step + k, []
     yield from ((b, p, 1) for b, p in group)
-
-
-def _stack(*arrays):
-    return (jnp.stack if isinstance(arrays[0], jax.Array) else np.stack)(arrays)
 
 
 def _same_shapes(a, b):
@@ -1246,12 +1217,6 @@ def _same_shapes(a, b):
     same = lambda x, y: x.shape == y.shape and x.dtype == y.dtype
     return jax.tree.structure(a) == jax.tree.structure(b) and all(
         map(same, jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def _kinds(batch):
-    """What all batches of a data set share: structure, dtypes, ranks (a key of the step cache)."""
-    leaves, treedef = jax.tree.flatten(batch)
-    return treedef, tuple((np.dtype(a.dtype), len(a.shape)) for a in leaves)
 
 
 def _prefetch(batches, put, size=2):
@@ -1265,118 +1230,6 @@ def _prefetch(batches, put, size=2):
             yield *queue.popleft(), False
     while queue:
         yield *queue.popleft(), not queue
-
-
-def _putter(mesh, data_axis):
-    """`put(batch, stacked=False)`, which shards a batch (this process's rows) along its leading
-    axis over the mesh (`stacked`: each of k batches). A batch that does not split evenly (a small
-    last batch) goes whole to every device: exact, if redundant. Its shardings and the process
-    count are made here, once: per batch they cost ~1-5 us. A jax.Array moves device to device.
-    On one device numpy goes to the jitted step as it is: jit's C++ path places it faster than
-    device_put, whose arrays the step then waits for (an H100: ~180 us a tiny-MLP batch by jit,
-    ~375 by device_put and jit; fit's steps/s +10% on a tiny MLP and +9% on a transformer)."""
-    if mesh.size == 1 and jax.process_count() == 1:
-        one = _replicated(mesh)
-        numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
-        return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
-    shards, processes = _local_shards(mesh, data_axis), jax.process_count()
-    shardings = {(True, True): NamedSharding(mesh, P(None, data_axis)), (False, True):
-                 NamedSharding(mesh, P(data_axis)), (True, False): _replicated(mesh),
-                 (False, False): _replicated(mesh)}
-
-    def put(batch, stacked=False):
-        splits = jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
-        sharding = shardings[stacked, splits]
-        if processes == 1:
-            return jax.device_put(batch, sharding)
-        if not splits:  # every device needs the whole global batch: gather all processes' rows
-            batch = jax.tree.map(lambda a: np.concatenate(a, axis=int(stacked)),  # (a host round
-                                 multihost_utils.process_allgather(batch))  # trip, once an epoch)
-        return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), batch)
-    return put
-
-
-# -- The plan: every period converted to steps once; the monitor and its mode ------------------
-
-class _Plan:
-    """Every period converted to steps once, and what is due when; the monitor and its mode."""
-
-    def __init__(self, opts, train, tests, train_names, eval_names, *, averaged=False):
-        self.num_epochs, self.max_steps = opts.num_epochs, opts.max_steps
-        self.steps_per_epoch = opts.steps_per_epoch or train.length
-        planned = self.steps_per_epoch and self.steps_per_epoch * opts.num_epochs
-        self.total = min([n for n in (planned, opts.max_steps) if n], default=None)
-        self.every = {"log": opts.log_every, "ckpt": opts.ckpt_every,
-                      "eval": opts.eval_every if tests else None}
-        self.eval_freq, self.has_test = opts.eval_freq, bool(tests)
-        self.ema = averaged and opts.ema_eval and bool(tests)  # evals of the average too
-        self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, train_names, eval_names,
-                                                self.ema)
-        self._check_one_shot(train, tests, opts)
-
-    def due(self, name, step, k=1):
-        """Whether the steps (step - k, step] include a multiple of that period."""
-        every = self.every[name]
-        return bool(every) and step // every > (step - k) // every
-
-    def next_due(self, step, now=False):
-        """The first step after `step` at which a log, an eval or a save falls due, or max_steps
-        ends the run (an epoch's end the loop knows): no step before it needs more than its call.
-        `now`: the next (a log point's read pending; a stop or save that a save's hooks asked)."""
-        return step + 1 if now else min(
-            [(step // every + 1) * every for every in self.every.values() if every]
-            + [self.max_steps or math.inf])
-
-    def eval_at_epoch_end(self, epochs_done, last):
-        epoch_due = not self.every["eval"] and epochs_done % self.eval_freq == 0
-        return self.has_test and (epoch_due or last)
-
-    def done(self, epoch, step):
-        return epoch >= self.num_epochs or bool(self.max_steps and step >= self.max_steps)
-
-    def _check_one_shot(self, train, tests, opts):
-        fix = ("pass a re-iterable (a list, a loader, arrays (x, y) with batch_size=), "
-               "steps_per_epoch= to take that many batches from the stream each epoch, or "
-               "max_steps= for an endless stream")
-        if train.stream and opts.num_epochs > 1 and not opts.steps_per_epoch:
-            raise ValueError(f"fit: train_ds is a one-shot iterator (a generator), which can be "
-                             f"read only once, but num_epochs={opts.num_epochs}; {fix}.")
-        evals = (math.ceil(self.total / opts.eval_every) if self.total else 2) if \
-            opts.eval_every else math.ceil(opts.num_epochs / opts.eval_freq)
-        for test in tests.values():
-            if test.stream and evals > 1:
-                raise ValueError(f"fit: {test.name} is a one-shot iterator (a generator), which "
-                                 f"can be read only once, but this run evaluates about {evals} "
-                                 f"times; pass a re-iterable (a list, a loader, arrays (x, y) "
-                                 f"with batch_size=).")
-
-
-def _pick_monitor(monitor, mode, train_names, eval_names, ema=False):
-    """`monitor` checked, or the default: the (first) eval set's accuracy, else its loss, else its
-    first metric, else the train loss; `mode` from the metric's own name (`eval/val/loss`: loss)."""
-    names = [f"train/{n}" for n in train_names] + [
-        _metric_tag(part, eval_set, n) for part in ("eval", "eval_ema")[:1 + ema]
-        for eval_set, metrics in eval_names.items() for n in metrics]
-    if monitor is None:
-        first, metrics = next(iter(eval_names.items()), (None, []))
-        preferred = [n for n in ("accuracy", "loss") if n in metrics] + metrics
-        monitor = _metric_tag("eval", first, preferred[0]) if preferred else "train/loss"
-    if monitor not in names:
-        raise ValueError(f"fit: monitor={monitor!r} is not a metric of this run; it has {names}.")
-    if mode == "auto":
-        words = set(re.split(r"[^a-z0-9]+", monitor.split("/")[-1].lower()))
-        lower = {"loss", "err", "error", "perplexity", "ppl", "mse", "mae", "rmse", "nll", "bce",
-                 "ce", "kld", "kl", "wer", "cer", "fid"}
-        higher = {"accuracy", "acc", "top1", "top5", "f1", "auc", "precision", "recall", "iou",
-                  "dice", "bleu", "rouge", "psnr", "ssim", "r2", "map", "score", "reward"}
-        if words & lower and not words & higher:
-            mode = "min"
-        elif words & higher and not words & lower:
-            mode = "max"
-        else:
-            raise ValueError(f"fit: cannot tell from its name whether monitor={monitor!r} is "
-                             f"better higher or lower; pass mode='min' or mode='max'.")
-    return monitor, mode
 
 
 # -- Every jax.jit, built from _StepConfig and cached; the train step; device-side sums --------
@@ -1407,16 +1260,23 @@ class _StepConfig:
         shards = 1 if opts.axis_name else mesh.shape["data"]
         traced = tuple((f.name, getattr(opts, f.name)) for f in dataclasses.fields(opts)
                        if f.metadata.get("traced"))
-        return cls(forward, linen, _loss_name(opts), eval_step, opts.on_nonfinite == "skip",
-                   _platform(mesh) in _NO_COND, shards, traced)
+        loss_name = "nnx_loss_fn" if opts.nnx_loss_fn else "loss_fn"
+        platform = mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
+        return cls(forward, linen, loss_name, eval_step, opts.on_nonfinite == "skip",
+                   platform in _NO_COND, shards, traced)
+
+
+# Where the norms are computed at every step (the accumulator keeps a log step's), not under a
+# lax.cond (#28): XLA's GPU runtime may copy a conditional's predicate to the host and block it
+# until the device is done, so every dispatch would wait. Measured on one H100 (jax 0.11.2) a cond
+# did not block the host, and the norms at every step cost 2-10% (benchmarks/README.md): the rule
+# is kept as the safe side, pending a decision. The CPU measured the cond faster.
+_NO_COND = ("gpu",)
 
 
 _Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put acc_names "
                                           "train_names eval_names lr_known weighted_loss",
                                 defaults=(None,) * 12)  # (built by name)
-
-
-_STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
 
 
 def _build_steps(state, train, tests, config, mesh):
@@ -1433,14 +1293,13 @@ def _build_steps(state, train, tests, config, mesh):
     # Made at each call, not kept with the steps: the sums' zeros (a finished run leaves no
     # array) and the batches' placement.
     acc0 = train and jax.device_put(_train_acc(len(steps.acc_names)), _replicated(mesh))
-    return steps._replace(acc0=acc0, eval0=_zeros(steps.eval_names, mesh),
+    eval0 = {name: np.zeros(2 * len(names) + 1, np.float32)  # totals, weights, batches
+             for name, names in steps.eval_names.items()}
+    return steps._replace(acc0=acc0, eval0=jax.device_put(eval0, _replicated(mesh)),
                           put=_putter(mesh, config.axis_name or "data"))
 
 
-def _zeros(eval_names, mesh):
-    """Each eval set's sums to start from: its metrics' totals and weights, and a batch count."""
-    return {name: jax.device_put(np.zeros(2 * len(names) + 1, np.float32),
-                                 _replicated(mesh)) for name, names in eval_names.items()}
+_STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
 
 
 def _cached(key, reuse, build):
@@ -1498,7 +1357,8 @@ def _new_steps(state, train, tests, config, mesh):
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
-    param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
+    param_norm = jax.jit(lambda state: optax.tree.norm(state.params),  # (before every save)
+                         out_shardings=replicated)
     return _Steps(train_1, train_k, eval_fns, param_norm, acc_names=names,
                   train_names=names + norms, eval_names=eval_names, lr_known=lr_of is not None,
                   weighted_loss=isinstance(metrics.get("loss"), Weighted))
@@ -1559,19 +1419,6 @@ def _under(mesh, fn):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args)
     return traced
-
-
-def _linen_forward(loss_fn, state, params, batch, rng, *, train):
-    """A linen model's `(loss_fn(outputs, targets), new batch_stats)`; dropout draws from `rng`."""
-    inputs, targets = batch
-    stats = getattr(state, "batch_stats", {})  # (a class without the field: a model without)
-    has_stats = bool(jax.tree.leaves(stats))
-    variables = {"params": params, **({"batch_stats": stats} if has_stats else {})}
-    kwargs = {"rngs": {"dropout": rng}, "mutable": ["batch_stats"] if has_stats else False}
-    out = state.apply_fn(variables, inputs, train=train, **(kwargs if train else {}))
-    if train and has_stats:  # (with mutable collections, apply returns them beside the outputs)
-        out, stats = out[0], out[1]["batch_stats"]
-    return loss_fn(out, targets), stats
 
 
 def _default_train_step(config):
@@ -1704,40 +1551,11 @@ def _split_loss(out, who):
     return loss, {}
 
 
-def _loss_name(opts):
-    return "nnx_loss_fn" if opts.nnx_loss_fn else "loss_fn"
-
-
-def _metric_names(metrics, who, default):
-    """The names of a step's metrics, from their shapes (jax.eval_shape): each must be a scalar."""
-    for name, value in _as_dict(metrics, default).items():
-        for part in value if isinstance(value, Weighted) else [value]:
-            if getattr(part, "shape", ()) != () or not jnp.issubdtype(part.dtype, jnp.number):
-                raise TypeError(f"fit: {who} must return scalar metrics (per-batch means or "
-                                f"Weighted(total, weight) of scalars), but metric {name!r} has "
-                                f"shape {part.shape} and dtype {part.dtype}; reduce it with "
-                                f".mean() or .sum().")
-    return list(_as_dict(metrics, default))
-
-
 def _as_dict(metrics, default):
     return metrics if isinstance(metrics, dict) else {default: metrics}
 
 
 _Train = collections.namedtuple("_Train", "step_fn names lr_of config")  # one train step's parts
-
-
-def _warn_dtypes(new, old):
-    """At trace time: a step that changes a leaf's dtype (bf16 params from a float32 state) gets
-    its leaves cast back, silently but for this warning."""
-    changed = [(jax.tree_util.keystr(path), n.dtype, o.dtype) for (path, n), o in zip(
-        jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(old)) if n.dtype != o.dtype]
-    if changed:
-        path, new_dtype, old_dtype = changed[0]
-        warnings.warn(f"fit: the train step changes the dtype of {len(changed)} state leaves "
-                      f"(e.g. {path}: {new_dtype}, where the state holds {old_dtype}); fit casts "
-                      f"them back, so each step starts from the state's dtypes. To train in "
-                      f"another dtype, build the state in it.")
 
 
 def _train_and_accumulate(train, state, acc, batch):
@@ -1772,9 +1590,6 @@ def _train_and_accumulate(train, state, acc, batch):
     return new_state, {"sums": sums, "count": count.astype(jnp.int32)}
 
 
-_MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warns
-_AHEAD = 2  # calls the host may dispatch before the device has finished them
-_LAG = 1  # calls after a log point that its sums are read (the read waits for them if need be)
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
 
 
@@ -1795,18 +1610,6 @@ def _at_log(state, config):
     return (state.step + 1) % config.log_every == 0
 
 
-def _param_norm(state):
-    return optax.tree.norm(state.params)
-
-
-# Where the norms are computed at every step (the accumulator keeps a log step's), not under a
-# lax.cond (#28): XLA's GPU runtime may copy a conditional's predicate to the host and block it
-# until the device is done, so every dispatch would wait. Measured on one H100 (jax 0.11.2) a cond
-# did not block the host, and the norms at every step cost 2-10% (benchmarks/README.md): the rule
-# is kept as the safe side, pending a decision. The CPU measured the cond faster.
-_NO_COND = ("gpu",)
-
-
 def _log_norm(state, config, tree):
     """The norm of `tree` at log steps, else 0 (any value at other steps, where the norms are
     computed every step): a pass over every parameter and gradient each step cost a tiny MLP
@@ -1825,126 +1628,513 @@ def _totals_and_weights(metrics, rows):
     return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
 
 
-def _trace(fn, state, spec, config, fit_calls=False):
-    """`fn(state, batch)`'s output shapes: checks your functions before any compile or directory,
-    turning cryptic failures into advice (`fit_calls`: "train" or "eval" where fit calls the
-    model, so that your own function may call it instead)."""
+# -- The plan: every period converted to steps once; the monitor and its mode ------------------
+
+class _Plan:
+    """Every period converted to steps once, and what is due when; the monitor and its mode."""
+
+    def __init__(self, opts, train, tests, train_names, eval_names, *, averaged=False):
+        self.num_epochs, self.max_steps = opts.num_epochs, opts.max_steps
+        self.steps_per_epoch = opts.steps_per_epoch or train.length
+        planned = self.steps_per_epoch and self.steps_per_epoch * opts.num_epochs
+        self.total = min([n for n in (planned, opts.max_steps) if n], default=None)
+        self.every = {"log": opts.log_every, "ckpt": opts.ckpt_every,
+                      "eval": opts.eval_every if tests else None}
+        self.eval_freq, self.has_test = opts.eval_freq, bool(tests)
+        self.ema = averaged and opts.ema_eval and bool(tests)  # evals of the average too
+        self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, train_names, eval_names,
+                                                self.ema)
+
+    def due(self, name, step, k=1):
+        """Whether the steps (step - k, step] include a multiple of that period."""
+        every = self.every[name]
+        return bool(every) and step // every > (step - k) // every
+
+    def next_due(self, step, now=False):
+        """The first step after `step` at which a log, an eval or a save falls due, or max_steps
+        ends the run (an epoch's end the loop knows): no step before it needs more than its call.
+        `now`: the next (a log point's read pending; a stop or save that a save's hooks asked)."""
+        return step + 1 if now else min(
+            [(step // every + 1) * every for every in self.every.values() if every]
+            + [self.max_steps or math.inf])
+
+    def eval_at_epoch_end(self, epochs_done, last):
+        epoch_due = not self.every["eval"] and epochs_done % self.eval_freq == 0
+        return self.has_test and (epoch_due or last)
+
+    def done(self, epoch, step):
+        return epoch >= self.num_epochs or bool(self.max_steps and step >= self.max_steps)
+
+
+def _pick_monitor(monitor, mode, train_names, eval_names, ema=False):
+    """`monitor` checked, or the default: the (first) eval set's accuracy, else its loss, else its
+    first metric, else the train loss; `mode` from the metric's own name (`eval/val/loss`: loss)."""
+    names = [f"train/{n}" for n in train_names] + [
+        _metric_tag(part, eval_set, n) for part in ("eval", "eval_ema")[:1 + ema]
+        for eval_set, metrics in eval_names.items() for n in metrics]
+    if monitor is None:
+        first, metrics = next(iter(eval_names.items()), (None, []))
+        preferred = [n for n in ("accuracy", "loss") if n in metrics] + metrics
+        monitor = _metric_tag("eval", first, preferred[0]) if preferred else "train/loss"
+    if monitor not in names:
+        raise ValueError(f"fit: monitor={monitor!r} is not a metric of this run; it has {names}.")
+    if mode == "auto":
+        words = set(re.split(r"[^a-z0-9]+", monitor.split("/")[-1].lower()))
+        lower = {"loss", "err", "error", "perplexity", "ppl", "mse", "mae", "rmse", "nll", "bce",
+                 "ce", "kld", "kl", "wer", "cer", "fid"}
+        higher = {"accuracy", "acc", "top1", "top5", "f1", "auc", "precision", "recall", "iou",
+                  "dice", "bleu", "rouge", "psnr", "ssim", "r2", "map", "score", "reward"}
+        if words & lower and not words & higher:
+            mode = "min"
+        elif words & higher and not words & lower:
+            mode = "max"
+        else:
+            raise ValueError(f"fit: cannot tell from its name whether monitor={monitor!r} is "
+                             f"better higher or lower; pass mode='min' or mode='max'.")
+    return monitor, mode
+
+
+def _is_eval(monitor):
+    """Whether a metric is an eval's (judged at evals, of one state): `eval/...`, `eval_ema/...`."""
+    return monitor.split("/")[0] in ("eval", "eval_ema")
+
+
+# -- The run: what a checkpoint holds, the best, the checkpoints, what hooks see ---------------
+
+@dataclasses.dataclass
+class _Progress:
+    """What a checkpoint holds besides the state, all a resume needs to go on exactly (the JSON
+    item `meta`): fields, defaults, reader (a missing field: its default), writer, resume checks."""
+    epoch: int = 0
+    position: Any = (0, None)  # batches done in the epoch, the data iterator's state after them
+    meter: Any = None          # the train metrics' sums (_Meter.sums)
+    history: Any = dataclasses.field(default_factory=lambda: {"epoch": [], "step": []})
+    best: Any = None           # the best monitored value, its step, the kept best values
+    best_step: Any = None
+    top: Any = dataclasses.field(default_factory=list)
+    hooks: Any = dataclasses.field(default_factory=dict)  # get_state() of hooks, by position
+    stop: Any = None           # a hook's stop, which is final (a signal's stop is resumable)
+    target: Any = (None, None)  # num_epochs and max_steps of the call that wrote it
+    seed: Any = None
+    batching: Any = (None, None)  # the global batch size and the batches per epoch
+
+    @classmethod
+    def read(cls, meta):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in meta.items() if k in names})
+
+    def write(self):
+        return _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def check(self, run, seed, batching):
+        """Checks the seed (shuffles, keys) and batching against the run's (None: not known)."""
+        if self.seed is not None and self.seed != seed:
+            raise ValueError(f"fit: run {run} was trained with seed={self.seed}; resume it with "
+                             f"that seed, or start a fresh run.")
+        if any(a is not None and b is not None and a != b for a, b in zip(self.batching, batching)):
+            n, processes = self.batching[0], jax.process_count()
+            option = "" if n is None or n % processes else (
+                f" (arrays (x, y): batch_size={n // processes}"
+                f"{f' in each of the {processes} processes' if processes > 1 else ''})")
+            raise ValueError(f"fit: run {run} was trained with a global batch size of {n} and "
+                             f"{self.batching[1]} batches per epoch; this call feeds "
+                             f"{batching[0]} and {batching[1]}, so it would not go on where the "
+                             f"run stopped. Resume it with its own batch size{option} and data, "
+                             f"or start a fresh run (resume=False).")
+
+    def go_on(self, saved):
+        """This call's progress from a checkpoint's (`saved`), keeping this call's target, seed and
+        batching; a hook's stop holds only if the run goes no further than that one did."""
+        for name in {f.name for f in dataclasses.fields(self)} - {"target", "seed", "batching"}:
+            setattr(self, name, getattr(saved, name))
+        self.stop = saved.stop if saved.final(*self.target) else None
+
+    def final(self, num_epochs, max_steps):
+        """Whether a hook ended the run for good: it goes on only if asked to go further."""
+        epochs, steps = self.target
+        return bool(self.stop) and num_epochs <= epochs and (
+            (max_steps or math.inf) <= (steps or math.inf))
+
+
+class _Best:
+    """The one owner of the best checkpoint: the monitor and its mode, the best value so far and
+    its step, the values of the `max_to_keep` best (`top`), a save's rank, what orbax keeps."""
+
+    def __init__(self, plan, max_to_keep):
+        self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, max_to_keep
+        self.value = self.step = None
+        self.top, self.seen = [], (None, None)  # (seen: the latest monitored value, its step)
+        self.better = lambda a, b: a >= b if self.mode == "max" else a <= b
+
+    def go_on(self, progress):
+        """Where a resumed run left its best."""
+        self.value, self.step, self.top = progress.best, progress.best_step, list(progress.top)
+
+    def see(self, metrics, step):
+        if self.monitor in metrics:
+            self.seen = (metrics[self.monitor], step)
+
+    def track(self, metrics, step):
+        """Follows the best monitored value; True: an eval that enters the kept best, to save."""
+        value = metrics.get(self.monitor)
+        if value is None:
+            return False
+        # A tie moves the best to the later step: orbax's BestN keeps the later of equal ones.
+        if self.value is None or self.better(value, self.value):
+            self.value, self.step = value, step
+        return _is_eval(self.monitor) and (
+            len(self.top) < self.max_to_keep or self.better(value, self.top[-1]))
+
+    def rank(self, step):
+        """The monitored value to rank a checkpoint of `step` by (an eval's only if it judged this
+        very state), recorded among the kept best; None: it is kept as the last, not a best."""
+        value, at = self.seen
+        if value is None or (_is_eval(self.monitor) and at != step):
+            return None
+        self.top = sorted(self.top + [value], reverse=self.mode == "max")[:self.max_to_keep]
+        return value
+
+    def manager_options(self):
+        """What orbax keeps: the latest checkpoint and the `max_to_keep` best. (`best_fn` with
+        `max_to_keep` alone would delete the latest, and keep saves without metrics forever.)"""
+        policies, metric = ocp.checkpoint_managers, lambda m: m[self.monitor]
+        policy = policies.AnyPreservationPolicy([policies.LatestN(1), policies.BestN(
+            get_metric_fn=metric, reverse=self.mode == "min", n=self.max_to_keep,
+            keep_checkpoints_without_metrics=False)])
+        # best_fn too: orbax 0.12 writes a step's metrics to disk (read back on resume) only with
+        # it; without, BestN took earlier runs' best for a metric-less save and deleted it.
+        return dict(preservation_policy=policy, best_fn=metric, best_mode=self.mode)
+
+
+class _Checkpoints:
+    """The run's claim (a fresh run's checkpoint directory and `fit.lock`, made at the start) and
+    directories, its orbax manager, restore, and saves: at the first log point `ckpt_interval` s
+    after the last, every `ckpt_every` steps, after an eval that enters the kept best, when a hook
+    asks, on every stop and at the end. A failed save raises one `OSError` naming the step, the
+    cause and the last good checkpoint, which stays intact."""
+
+    def __init__(self, opts, best, progress, claim=True):
+        workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
+        while not os.path.exists(probe):  # fail before any directory is made
+            probe = os.path.dirname(probe)
+        if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+            why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
+            raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; "
+                                  f"pass workdir= a directory you can write to.")
+        self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume, claim)
+        self.logs = os.path.join(workdir, "logs")  # (tensorboard --logdir)
+        self.log_dir = os.path.join(self.logs, self.run)
+        self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
+        self.monitor, self.best, self.progress = best.monitor, best, progress
+        self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
+        self.mgr, self.saved, self.good, self.calls = None, None, None, 0
+        self.processes, self.writing = jax.process_count(), False  # (writing: a save in flight)
+        self.quiet = _quiet()  # (orbax's logged reports of failures, while the run is open)
+
+    def restore(self, state):
+        """The latest checkpoint's state, its progress taken into the run's (checked against
+        this call); else `state`."""
+        if not self.resumed:
+            return state
+        self.open()
+        self.saved = self.good = self.mgr.latest_step()
+        try:
+            state, meta = _restore(self.mgr, self.saved, state, "fit")
+            saved = _Progress.read(meta)
+            saved.check(self.run, self.progress.seed, self.progress.batching)
+            self.progress.go_on(saved)
+        except BaseException:
+            self.close()  # (the manager's threads and fit's log filter end with it)
+            raise
+        return state
+
+    def open(self):
+        """The orbax manager, keeping what the run's `_Best` says."""
+        if self.mgr is None:
+            logging.getLogger("absl").addFilter(self.quiet)
+            self.mgr = _open(self.ckpt_dir, ocp.CheckpointManagerOptions(
+                cleanup_tmp_directories=True, **self.best.manager_options()))
+
+    def overdue(self):
+        """Whether `ckpt_interval` has passed since the last save."""
+        return time.monotonic() - self.last_time >= self.interval
+
+    def raise_failed(self):
+        """A failed asynchronous save's error, once it has ended (orbax is asked only while a save
+        is in flight: each ask costs ~50 us). One process alone: orbax's wait may be a collective,
+        and processes need not agree on whether a save is still in progress; there, errors come
+        at the next save."""
+        if self.writing and self.processes == 1 and not self.mgr.is_saving_in_progress():
+            self.wait()  # returns at once; raises a finished save's error
+
+    def count_call(self):
+        """A loop call counted for JAX's preemption notifier: "preemption" when it picked this
+        call for every process to stop at. It counts calls, not steps: with steps_per_jit the step
+        jumps over the one it picks. At every call with several processes (it expects that); one
+        process has no notifier."""
+        if self.processes == 1:
+            return None
+        self.calls += 1
+        if self.mgr.reached_preemption(self.calls):
+            return "preemption"
+
+    def save(self, step, state, value):
+        self.wait()  # the previous save commits first (orbax would wait here too)
+        with self._failure(step):
+            saved = self.mgr.save(step, metrics=None if value is None else {self.monitor: value},
+                                  args=ocp.args.Composite(
+                                      state=ocp.args.StandardSave(_key_data(state)),
+                                      meta=ocp.args.JsonSave(self.progress.write())))
+            if not saved:  # (orbax refuses a step at or below the latest it lists)
+                raise RuntimeError(f"orbax refused to save step {step}: its latest step is "
+                                   f"{self.mgr.latest_step()}")
+        self.saved, self.last_time, self.writing = step, time.monotonic(), True
+
+    def wait(self):
+        if self.mgr is not None:
+            with self._failure(self.saved):
+                self.mgr.wait_until_finished()
+            self.good, self.writing = self.saved, False
+
+    @contextlib.contextmanager
+    def _failure(self, step):
+        """One clear error for a save that failed, in the foreground or in the background."""
+        try:
+            yield
+        except Exception as e:
+            for name in ("asyncio", "absl"):  # (for good: some come after fit's error)
+                logging.getLogger(name).addFilter(_quiet(self.ckpt_dir))
+            warnings.filterwarnings("ignore", r"coroutine '.*(write|serializ).*' was never "
+                                    r"awaited", RuntimeWarning)
+            cause = _cause(e)
+            fix = "Free space" if os.strerror(errno.ENOSPC) in cause else "Fix the cause"
+            then = (f"The last good checkpoint is step {self.good}, and it is intact. {fix}, "
+                    f"then call fit again with resume=True to go on from it." if self.good
+                    is not None else f"No checkpoint of this run was written. {fix}, then call "
+                                     f"fit again (the run starts afresh).")
+            raise OSError(f"fit: saving the checkpoint of step {step} to {self.ckpt_dir} "
+                          f"failed: {cause}. {then}") from e
+
+    def close(self):
+        try:
+            self.wait()  # raises errors of asynchronous saves, never loses them
+        finally:
+            try:
+                if self.mgr is not None:
+                    self.mgr.close()
+            finally:
+                logging.getLogger("absl").removeFilter(self.quiet)
+                if self.lock is not None:  # the run is free for a resume
+                    self.lock.close()
+                    self.lock = None
+
+
+def _open(ckpt_dir, options):
+    # Before orbax starts: reads or writes in flight when a restore or a save fails call back
+    # into orbax's closed event loop, from tensorstore's threads, and each prints a traceback.
+    if not getattr(sys.unraisablehook, "fit_quiet", False):
+        def unraisable(error, hook=sys.unraisablehook):
+            if not (error.exc_type is RuntimeError and str(error.exc_value) ==
+                    "Event loop is closed"):
+                hook(error)
+        sys.unraisablehook, unraisable.fit_quiet = unraisable, True
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
+
+
+def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
+    """`(state, meta)` of `step`, into `state`'s structure, shapes, shardings (`weights_only`: its
+    `params` and `batch_stats`, into a state with any optimizer; `ema`: the average as params)."""
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          _key_data(state))
+    name = _path_name  # (compared first: _check_fits)
+    weight = lambda path: not weights_only or name(path).split("/")[0] in ("params", "batch_stats")
+    shapes = lambda tree: {name(path): tuple(x.shape) for path, x in
+                           jax.tree_util.tree_leaves_with_path(tree) if weight(path)}
     try:
-        return jax.eval_shape(fn, state, spec)
-    except NameError as e:
-        axis = (re.findall(r"unbound axis name: ([\w-]+)", str(e)) or [None])[0]
-        if not axis:
-            raise
-        raise ValueError(f"fit: the model uses the named axis {axis!r} (e.g. BatchNorm(axis_name="
-                         f"{axis!r}), written for pmap), which plain jit does not bind; pass "
-                         f"axis_name={axis!r} to fit to run the step per device over it.") from None
-    except TypeError as e:  # (Python names the method: "MLP.__call__() missing 1 required")
-        train = "unexpected keyword argument 'train'" in str(e)
-        if not fit_calls or not (train or "__call__() missing" in str(e)):
-            raise
-        fix = (f"eval_step({'state' if config.linen else 'model'}, batch)" if fit_calls == "eval"
-               else "train_step(state, batch) -> (state, metrics) and eval_step(state, batch)"
-               if config.linen else "nnx_loss_fn(model, batch, rngs) and eval_step(model, batch)")
-        what = ("does not take train=, which fit passes" if train else
-                "needs arguments that fit does not pass")
-        raise TypeError(f"fit: the model {what} when it calls the model itself ({e}). Pass your "
-                        f"own {fix} to call it your way; see README.md.") from None
-    except ValueError as e:  # an nnx Dropout without rngs of its own, called with none
-        if config.loss_name == "nnx_loss_fn" or "no `rngs` argument" not in str(e):
-            raise
-        raise ValueError(f"fit: {str(e).splitlines()[0]}: the model takes rngs at call time; "
-                         f"call it yourself with nnx_loss_fn(model, batch, rngs), see README.md "
-                         f"(NNX models).") from None
-    except flax.errors.ScopeCollectionNotFound as e:
-        if "batch_stats" not in str(e) or hasattr(state, "batch_stats"):
-            raise
-        name = type(state).__name__
-        raise TypeError(f"fit: the model has BatchNorm statistics, but {name} has no batch_stats "
-                        f"field to keep them in; add one (class MyState({name}): batch_stats: "
-                        f"Any = None, then MyState.create(..., batch_stats=variables["
-                        f"'batch_stats'])), or use fit.TrainState.") from None
+        metadata = mgr.item_metadata(step)["state"]
+        stored, wanted = shapes(metadata), shapes(target)
+        if not stored:
+            raise ValueError("the state's metadata (state/_METADATA) is missing or empty")
+        every = {name(p): tuple(x.shape) for p, x in  # (every leaf: where the average is)
+                 jax.tree_util.tree_leaves_with_path(metadata.tree, is_leaf=_is_array_like)}
+    except Exception as e:
+        raise _unrestorable(mgr, step, e, who) from None
+    averages = {k[:k.index("fit_ema_params")] + "fit_ema_params" for k in every
+                if "fit_ema_params" in k}
+    if ema and len(averages) != 1:
+        raise ValueError(f"{who}: ema=True, but the checkpoint at step {step} in {mgr.directory} "
+                         f"holds no fit.ema average: its run's optimizer was not wrapped in "
+                         f"fit.ema(tx). Load it without ema=True.")
+    # Weights only: each of the state's weights comes from the checkpoint's leaf of that name;
+    # with `ema` the params from the average's; an nnx model's variable filed in the other group
+    # (the optimizer's `wrt` decides which) by its path inside the model.
+    source = {k: k for k in wanted}
+    if weights_only and ema:
+        average = averages.pop()
+        source = {k: average + k[6:] if k.startswith("params/") else k for k in wanted}
+        stored = {k: every[v] for k, v in source.items() if v in every}
+    inner = lambda names: {k.split("/", 1)[-1]: k for k in names}
+    if weights_only and stored.keys() != wanted.keys() and len(inner(stored)) == len(stored) \
+            and inner(stored).keys() == inner(wanted).keys():
+        source = {k: inner(stored)[k.split("/", 1)[-1]] for k in wanted}
+        stored = {k: stored[v] for k, v in source.items()}
+    _check_fits(stored, wanted, f"{who}: the checkpoint at step {step} in {mgr.directory}")
+    if weights_only:
+        return _restore_weights(mgr, step, state, metadata, source=source, who=who), None
+    with _restoring(mgr, step, who):
+        out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                        meta=ocp.args.JsonRestore()))
+        if not (isinstance(out["meta"], dict) and "epoch" in out["meta"]):
+            raise ValueError(f"its meta item holds {str(out['meta'])[:80]}")
+    restored = jax.tree.map(_as_before, out["state"], state)
+    if ema:
+        restored = restored.replace(params=_ema_params(restored.opt_state))
+    return restored, out["meta"]
 
 
-# -- nnx models, trained as a TrainState of their variables ------------------------------------
-
-def _adapt(state, opts, who="fit"):
-    """`(state, forward, eval_step, finish, linen)`: a TrainState as it is, called by
-    `_linen_forward`; an nnx model as a TrainState (`_nnx_adapter`), `finish` writing it back."""
-    if not _is_nnx(state):
-        return state, _linen_forward, opts.eval_step, lambda state: state, True
-    return *_nnx_adapter(state, opts.optimizer, who, nnx_loss_fn=opts.nnx_loss_fn,
-                         eval_step=opts.eval_step), False
-
-
-# An nnx model and its optimizer as a TrainState of plain dicts (what hooks see): `params` is what
-# the optimizer trains (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the
-# Rngs' state, so dropout resumes exactly). Each step merges them in plain `jax.jit` (nnx.jit
-# costs ~0.3 ms more a call); `finish(state)` writes the user's model and optimizer, in place.
-def _nnx_adapter(model, optimizer, who="fit", *, nnx_loss_fn=None, eval_step=None):
-    from flax import nnx
-    if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only): no optimizer
-        optimizer = types.SimpleNamespace(tx=None, opt_state=None, step=np.int32(0), wrt=nnx.Param)
-    missing = [a for a in ("tx", "opt_state", "step", "wrt") if not hasattr(optimizer, a)]
-    if missing:  # (not the object's repr: an optimizer's repr prints the whole model)
-        got = "None" if optimizer is None else f"{type(optimizer).__name__} (no {missing})"
-        raise TypeError(f"{who}: an nnx model needs optimizer=nnx.Optimizer(model, tx, "
-                        f"wrt=nnx.Param), got optimizer={got}.")
-    # Plain dicts, not nnx.State: jit flattens the state every call, State twice as slowly.
-    is_state = lambda x: isinstance(x, nnx.State)
-    pure = lambda tree: jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x,
-                                     nnx.as_pure(tree), is_leaf=is_state)
-    nnx.pop(model, nnx.Intermediate)  # sow()n values are per call outputs, not state to carry
-    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
-    state = TrainState(step=optimizer.step[...], apply_fn=None, params=pure(params),
-                       tx=optimizer.tx, opt_state=pure(optimizer.opt_state), batch_stats=pure(rest))
-    try:
-        if state.tx is not None:
-            jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{who}: the optimizer's state does not fit the model's parameters; "
-                         f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
-                         f"({e})") from None
-
-    def merged(params, rest, train):
-        model = nnx.merge(graphdef, params, rest)
-        model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
-        return model
-
-    def forward(loss_fn, state, params, batch, rng, *, train):
-        model = merged(params, state.batch_stats, train)
-        if nnx_loss_fn:  # the user's call, with the step's key (fit's rng, not the model's)
-            out = _call_nnx_loss(nnx_loss_fn, model, batch, nnx.Rngs(rng))
-        else:  # Dropout draws from the model's own Rngs, carried in batch_stats
-            out = loss_fn(model(batch[0]), batch[1])
-        nnx.pop(model, nnx.Intermediate)
-        return out, pure(nnx.state(model, nnx.Not(optimizer.wrt)))
-
-    def eval_fn(state, batch):
-        return eval_step(merged(state.params, state.batch_stats, False), batch)
-
-    def finish(state):
-        nnx.update(model, state.params, state.batch_stats)
-        if state.tx is not None:
-            nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
-            optimizer.step[...] = state.step
-        return model
-
-    return state, forward, eval_step and eval_fn, finish
+def _restore_weights(mgr, step, state, metadata, *, source, who):
+    """`state` with its `params` and `batch_stats` from the checkpoint's leaves named in `source`,
+    placed as the state's; the rest of the checkpoint (orbax restores no part alone) goes to host
+    memory (JAX's CPU device, beside any accelerator)."""
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          _key_data(state))
+    groups = [k for k in ("params", "batch_stats") if hasattr(target, k)]
+    mine = {source[_path_name(p)]: x for p, x in jax.tree_util.tree_leaves_with_path(
+        {k: getattr(target, k) for k in groups})}
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    saved = jax.tree_util.tree_map_with_path(lambda p, x: mine.get(
+        _path_name(p), jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)), metadata.tree,
+        is_leaf=_is_array_like)
+    with _restoring(mgr, step, who):
+        out = mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(saved)))["state"]
+    got = {_path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(out)}
+    return state.replace(**{k: jax.tree_util.tree_map_with_path(
+        lambda p, x, k=k: _as_before(got[source[f"{k}/{_path_name(p)}"]], x), getattr(state, k))
+        for k in groups})
 
 
-def _call_nnx_loss(fn, model, batch, rngs):
-    """`fn(model, batch, rngs)`, or by name where `fn` names them so: the NNX tutorial's loss_fn
-    takes `(model, rngs, batch)`. (At trace time only: no cost a step.)"""
-    try:
-        p = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # (a signature Python cannot read: called positionally)
-        p = {}
-    if all(k in p and p[k].kind != p[k].POSITIONAL_ONLY for k in ("batch", "rngs")):
-        return fn(model, batch=batch, rngs=rngs)
-    return fn(model, batch, rngs)
+def _as_before(restored, like):
+    """A restored leaf as the state's: its dtype, or a typed key of its implementation."""
+    if _is_key(like):
+        return jax.random.wrap_key_data(restored, impl=jax.random.key_impl(like))
+    return jnp.asarray(restored, like.dtype)
 
 
-# -- Train metrics and time on the host: read one step late, checked for NaN and Inf -----------
+_is_array_like = lambda x: hasattr(x, "shape")  # (a checkpoint's metadata leaf)
+
+
+def _key_data(tree):
+    """Typed PRNG keys as their raw uint32 data, which orbax can save."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+class _Run:
+    """What a hook sees: `event` (`train_start`, `log`, `epoch_end`, `eval`, `save` before a
+    checkpoint, `train_end`), `step`, `epoch`, `state` (valid during the call only: the next step
+    donates it), `metrics` (the interval's or epoch's train means, or the eval's), `history`,
+    `name` (`mnist_3`), `id` (the name and a hash of the checkpoint directory: the same on every
+    resume, another in another workdir; e.g. for `wandb.init(id=run.id, resume="allow")`),
+    `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`,
+    `stopped_early`, `interrupted`; it may set `stop` (final), `save`, and at train_end `state`
+    (at another event, assigning it raises); `with run.timed(name):` times a hook's own work. At
+    `log`, `step` is the log step whose interval `metrics` covers and `state` is one call later:
+    fit reads a log point's metrics after it dispatches the next step, so the host never waits for
+    the device; at other events `state` is that of `step`. `_Run` calls the hooks, keeps the
+    history and hooks' `get_state()`, and makes processes agree on what hooks and signals ask."""
+
+    def __init__(self, hooks, plan, ckpts, progress):
+        best = self.best_of = ckpts.best
+        self.hooks, self.hook_states = hooks, progress.hooks
+        best.go_on(progress)
+        self.total_steps, self.num_epochs = plan.total, plan.num_epochs
+        self.monitor, self.mode = best.monitor, best.mode
+        self.log_dir, self.ckpt_dir, self.writer = ckpts.log_dir, ckpts.ckpt_dir, None
+        # The run's name, and an id that no other workdir's run of that name has (for trackers)
+        where = hashlib.sha256(os.path.abspath(ckpts.ckpt_dir).encode()).hexdigest()[:8]
+        self.name, self.id = ckpts.run, f"{ckpts.run}-{where}"
+        history = self.history = History(progress.history)
+        history.run, history.log_dir, history.ckpt_dir = ckpts.run, ckpts.log_dir, ckpts.ckpt_dir
+        self.stopping = progress.stop  # (a hook's stop, for good: _Progress.go_on)
+        self.stopped_early = self.interrupted = self.stop = self.save = False
+        self.event = self.step = self.epoch = self.state = None
+        self.metrics, self.last_eval, self.meter = {}, None, None  # (meter: set once it runs)
+
+    best = property(lambda self: self.best_of.value)  # (the best monitored value so far)
+
+    def call(self, event, state, step, epoch, *, metrics=None, save=False, stop=None):
+        """Calls every hook with (event, run), then takes what they asked for. A stop or save that
+        any of several processes asks for (a hook, a signal: `stop`) holds for all."""
+        self.event, self.state, self.step, self.epoch = event, state, step, epoch
+        self.metrics, self.stop, self.save = metrics or {}, False, self.save or save
+        self.stopping = self.stopping or stop
+        self.best_of.see(self.metrics, step)
+        for i, hook in enumerate(self.hooks):
+            # Your hooks' time is left out of steps/s (`hooks_s`); the built-in ones' stays in.
+            with contextlib.nullcontext() if type(hook) in (ProgressBar, TensorBoard) or \
+                    not self.meter else self.meter.timed("hooks"):
+                hook(event, self)
+            if self.state is not state and event != "train_end":
+                raise ValueError(f"fit: hook {_name(hook)} assigned run.state at {event!r}, "
+                                 f"where fit would ignore it: only at 'train_end' does a hook's "
+                                 f"state become the one fit returns.")
+            if self.stop and not self.stopping:
+                self.stopping = _name(hook)
+            if event == "train_start" and str(i) in self.hook_states and hasattr(hook, "set_state"):
+                hook.set_state(self.hook_states[str(i)])  # what it had at the checkpoint
+        if jax.process_count() > 1 and event != "train_end":  # (a collective all reach)
+            # Every process saves the same: a hook's stop (final) outranks a signal's (resumable).
+            kind = 0 if not self.stopping else 1 if self.stopping in _SIGNALS else 2
+            flags = np.array([kind, self.save], np.int32)
+            most, save = multihost_utils.process_allgather(flags).max(0)
+            self.save = bool(save)
+            if most > kind:
+                self.stopping = "SIGINT" if most == 1 else "a hook on another process"
+        return self.state
+
+    def timed(self, name):
+        """`with run.timed("upload"):` a hook's own work, as `history.timing["upload_s"]`; all of
+        your hooks' time is kept out of steps/s anyway, as `hooks_s`."""
+        if self.meter and name in self.meter.spent:
+            raise ValueError(f"fit: run.timed({name!r}) would add to fit's own {name}_s; "
+                             f"name your part otherwise.")
+        return self.meter.timed(name) if self.meter else contextlib.nullcontext()
+
+    def record(self, row, *items):
+        for name, value in [*items, *row.items()]:
+            self.history.setdefault(name, []).append(value)
+
+    def evaluate(self, state, step, epoch, metrics):
+        self.last_eval = step
+        self.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
+        self.save = self.best_of.track(metrics, step) or self.save
+        self.call("eval", state, step, epoch, metrics=metrics)
+
+    def end(self, state, step, epoch):
+        """The train_end hooks; EarlyStopping may swap in the best state here. A run that was
+        already finished calls only these, so it returns what its first call returned."""
+        self.stopped_early, self.interrupted = bool(self.stopping), self.stopping in _SIGNALS
+        return self.call("train_end", state, step, epoch)
+
+    def close(self):
+        """After an error: the built-in hooks close bar and files (the user's get no train_end)."""
+        if self.event != "train_end":
+            self.interrupted = True
+            for hook in [h for h in self.hooks if isinstance(h, (TensorBoard, ProgressBar))]:
+                hook("train_end", self)
+
+
+# -- The loop: train metrics and time on the host, read one step late; an eval, a save ---------
+
+_MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warns
+
+
+_AHEAD = 2  # calls the host may dispatch before the device has finished them
+
+
+_LAG = 1  # calls after a log point that its sums are read (the read waits for them if need be)
+
 
 # Dense bf16 peak TFLOP/s per chip (no sparsity), from the vendors' data sheets, for perf/mfu:
 # the first entry whose text is in a device's `device_kind` (`peak_tflops=` for any other).
@@ -2212,274 +2402,292 @@ class _Meter:
                 **self.speed(step), **self.estimate}
 
 
-# -- Checkpoints: the run's claim and lock, orbax, saves, restores, damaged steps --------------
+class _Loop:
+    """The loop's body around its steps, built once by `fit`: the log points (`log`, with the
+    `poll`), an eval, an epoch's end, a save. It holds the run's parts, so none is handed around."""
 
-class _Checkpoints:
-    """The run's claim (a fresh run's checkpoint directory and `fit.lock`, made at the start) and
-    directories, its orbax manager, restore, and saves: at the first log point `ckpt_interval` s
-    after the last, every `ckpt_every` steps, after an eval that enters the kept best, when a hook
-    asks, on every stop and at the end. A failed save raises one `OSError` naming the step, the
-    cause and the last good checkpoint, which stays intact."""
+    def __init__(self, run, meter, ckpts, signals, *, plan, tests, verbose):
+        self.run, self.meter, self.ckpts, self.signals = run, meter, ckpts, signals
+        self.plan, self.tests, self.verbose = plan, tests, verbose
 
-    def __init__(self, opts, best, progress, claim=True):
-        workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
-        while not os.path.exists(probe):  # fail before any directory is made
-            probe = os.path.dirname(probe)
-        if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-            why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
-            raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; "
-                                  f"pass workdir= a directory you can write to.")
-        self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume, claim)
-        self.logs = os.path.join(workdir, "logs")  # (tensorboard --logdir)
-        self.log_dir = os.path.join(self.logs, self.run)
-        self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
-        self.monitor, self.best, self.progress = best.monitor, best, progress
-        self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
-        self.mgr, self.saved, self.good, self.calls = None, None, None, 0
-        self.processes, self.writing = jax.process_count(), False  # (writing: a save in flight)
-        self.quiet = _quiet()  # (orbax's logged reports of failures, while the run is open)
+    def log(self, state, step, epoch, *, due=False, sync=False):
+        """A `log` event for each log point whose sums `_Meter.read` returns; at the loop's own
+        log points (not `sync`), first the poll."""
+        logged = self.meter.read(step, due, sync)
+        save, stop = self.poll() if logged and not sync else (False, None)
+        for at, metrics in logged:
+            self.run.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
 
-    def restore(self, state):
-        """The latest checkpoint's state, its progress taken into the run's (checked against
-        this call); else `state`."""
-        if not self.resumed:
-            return state
-        self.open()
-        self.saved = self.good = self.mgr.latest_step()
-        try:
-            state, meta = _restore(self.mgr, self.saved, state, "fit")
-            saved = _Progress.read(meta)
-            saved.check(self.run, self.progress.seed, self.progress.batching)
-            self.progress.go_on(saved)
-        except BaseException:
-            self.close()  # (the manager's threads and fit's log filter end with it)
+    def poll(self):
+        """`(save, stop)`: whether `ckpt_interval` has passed, and a signal to one of several
+        processes (decided together at the next call); a failed asynchronous save raises here.
+        At log points only: orbax's calls cost host time that a tiny model's steps feel."""
+        self.ckpts.raise_failed()
+        return self.ckpts.overdue(), self.signals.asked
+
+    def evaluate(self, state, step, epoch):
+        """An eval of every set: `eval/<metric>`, or `eval/<set>/<metric>` for named sets; with
+        `plan.ema`, the average's too, `eval_ema/...`."""
+        states = {"eval": state}
+        if self.plan.ema:
+            states["eval_ema"] = state.replace(params=_ema_params(state.opt_state))
+        metrics = {_metric_tag(part, name, k): v for part, of in states.items()
+                   for name, test in self.tests.items()
+                   for k, v in _evaluate(self.meter.steps, test, of, name, self.meter).items()}
+        self.run.evaluate(state, step, epoch, metrics)
+
+    def end_epoch(self, state, step, epoch, *, complete):
+        """An epoch's end: last log, history row, hooks, due eval (`complete=False`: max_steps
+        cut it)."""
+        run = self.run
+        self.log(state, step, epoch, due=True, sync=True)
+        row = self.meter.means("epoch", reset=complete)  # (a cut epoch's sums go on on resume)
+        run.record(row, ("epoch", epoch + 1), ("step", step))
+        run.best_of.track(row, step)  # (an eval/ monitor is not in the row: no-op)
+        run.call("epoch_end", state, step, epoch, metrics=row)
+        last = self.plan.done(epoch + complete, step)
+        if self.plan.eval_at_epoch_end(epoch + 1, last) and run.last_eval != step:
+            self.evaluate(state, step, epoch)
+
+    def save(self, state, step, epoch, position):
+        """A checkpoint of this step (asynchronous) with all the run depends on (`_Progress`);
+        first the metrics are read and the parameters checked, so a NaN state is never written."""
+        run, meter = self.run, self.meter
+        if step == self.ckpts.saved:
+            return
+        self.log(state, step, epoch, sync=True)
+        with meter.timed("save"):  # (the check, the hooks and orbax's blocking part)
+            meter.check(step, None, state)
+            run.call("save", state, step, epoch)
+            if run.stopping:
+                run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
+            best, value = run.best_of, run.best_of.rank(step)  # (first: the record holds it)
+            vars(self.ckpts.progress).update(
+                epoch=epoch, position=position if position[0] else (0, None), meter=meter.sums,
+                history=run.history, best=best.value, best_step=best.step, top=best.top,
+                stop=None if run.stopping in _SIGNALS else run.stopping,
+                hooks={str(i): h.get_state() for i, h in enumerate(run.hooks)
+                       if hasattr(h, "get_state")})
+            self.ckpts.save(step, state, value)
+        run.save = False
+        if run.stopping in _SIGNALS:
+            _say(self.verbose, f"fit: stopped by {run.stopping} at step {step}; checkpoint "
+                               f"saved, continue with resume=True.")
+
+
+def _metric_tag(part, eval_set, metric):
+    """`eval/accuracy`, or with a named eval set `eval/val/accuracy`."""
+    return f"{part}/{metric}" if eval_set is None else f"{part}/{eval_set}/{metric}"
+
+
+def _evaluate(steps, test, state, name=None, meter=None):
+    """Metrics over one eval set, summed on device, read once (`meter`: evals out of the rate)."""
+    with meter.timed("eval") if meter else contextlib.nullcontext():
+        acc, step = steps.eval0[name], steps.eval[name]
+        for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), steps.put):
+            acc = step(state, acc, batch)
+        *sums, batches = jax.device_get(acc).tolist()
+    if not batches:
+        raise ValueError(f"fit: {test.name} yielded no batches; a generator can be iterated "
+                         f"only once: pass a list or a re-iterable loader.")
+    names = steps.eval_names[name]
+    return {k: _mean(k, total, weight, "eval_step", f"the eval set {test.name}")
+            for k, total, weight in zip(names, sums[:len(names)], sums[len(names):])}
+
+
+# ==============================================================================================
+# Guards. The story of a run ends above: a reader may stop here. What follows checks, advises
+# and protects (the run's claim, damaged checkpoints, processes, signals), each part called from
+# one line of the story.
+# ==============================================================================================
+# -- Checks of the state, the data and the plan, before any directory or compile --------------
+
+def _check_state(state, opts):
+    if not (opts.train_step or opts.loss_fn or opts.nnx_loss_fn):
+        raise ValueError("fit: pass loss_fn(outputs, targets)" + (
+            " or nnx_loss_fn(model, batch, rngs)." if _is_nnx(state) else
+            " (or your own train_step)."))
+    if _is_nnx(state):
+        if opts.loss_fn and opts.nnx_loss_fn:
+            raise ValueError("fit: pass loss_fn= or nnx_loss_fn=, not both.")
+        for name in ("train_step", "axis_name"):
+            if getattr(opts, name) is not None:
+                raise ValueError(f"fit: {name}= is for TrainState runs; an nnx model trains with "
+                                 f"loss_fn(model(inputs), targets) or nnx_loss_fn(model, batch, "
+                                 f"rngs), and eval_step(model, batch).")
+    elif _is_nnx(getattr(state, "model", None)):  # e.g. an nnx.ModelAndOptimizer
+        raise ValueError(f"fit: state is a {type(state).__name__}, which holds the model and its "
+                         f"optimizer; pass them apart: fit(state.model, ..., optimizer=state).")
+    elif opts.optimizer is not None or opts.nnx_loss_fn is not None:
+        name = "optimizer" if opts.optimizer is not None else "nnx_loss_fn"
+        raise ValueError(f"fit: {name}= is for nnx models; a TrainState carries its own "
+                         f"optimizer (tx), and fit calls loss_fn(outputs, targets) for it.")
+    elif getattr(state, "tx", None) is None or not hasattr(state, "apply_gradients"):
+        raise ValueError(f"fit: state must be a TrainState with an optimizer (tx), got "
+                         f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build "
+                         f"it with TrainState.create(apply_fn=..., params=..., tx=optax.adam"
+                         f"(...)), or pass an nnx model with optimizer=nnx.Optimizer(...).")
+
+
+def _check_data(train, tests, opts, mesh):
+    """The batching, and that every process feeds the same batches' count and shapes (its share
+    of each global batch): a mismatch would hang in a collective or silently train on mismatched
+    arrays. Every process compares the same table, once, and raises the same error."""
+    if opts.batch_size is not None and not any(d.arrays for d in (train, *tests.values())):
+        raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data (x, y), but "
+                         f"train_ds and test_ds yield their own batches; drop batch_size.")
+    n, d = train.batch_size, _local_shards(mesh, opts.axis_name or "data")
+    if n % d:
+        raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
+                         f"devices ({d}); use {n - n % d or d} or {n + d - n % d}. (Only a smaller "
+                         f"last batch may split unevenly: it runs whole on every device.)")
+    if n % (d * opts.grad_accum):
+        k = opts.grad_accum
+        raise ValueError(f"fit: grad_accum={k} splits each device's rows into {k} equal "
+                         f"microbatches, but the train batch size ({n}) gives {d} device(s) "
+                         f"{n // d} rows each; use a batch size divisible by devices x grad_accum "
+                         f"= {d * k}, e.g. {n + d * k - n % (d * k)}. (A smaller last batch runs "
+                         f"in fewer microbatches.)")
+    if jax.process_count() > 1 and train.length is None and not (
+            opts.steps_per_epoch or opts.max_steps):
+        raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
+                         "needs steps_per_epoch= or max_steps=, so all run the same steps.")
+    if jax.process_count() > 1:
+        _agree("; ".join(d.describe() for d in (train, *tests.values())),
+               "the processes' data disagree")
+
+
+def _check_one_shot(train, tests, opts, total):
+    """A one-shot iterator (a generator) that the run would read more than once."""
+    if train.stream and opts.num_epochs > 1 and not opts.steps_per_epoch:
+        raise ValueError(f"fit: train_ds is a one-shot iterator (a generator), which can be read "
+                         f"only once, but num_epochs={opts.num_epochs}; pass a re-iterable (a "
+                         f"list, a loader, arrays (x, y) with batch_size=), steps_per_epoch= to "
+                         f"take that many batches from the stream each epoch, or max_steps= for "
+                         f"an endless stream.")
+    evals = (math.ceil(total / opts.eval_every) if total else 2) if opts.eval_every else \
+        math.ceil(opts.num_epochs / opts.eval_freq)
+    for test in tests.values():
+        if test.stream and evals > 1:
+            raise ValueError(f"fit: {test.name} is a one-shot iterator (a generator), which can "
+                             f"be read only once, but this run evaluates about {evals} times; "
+                             f"pass a re-iterable (a list, a loader, arrays (x, y) with "
+                             f"batch_size=).")
+
+
+def _check_schedule(state, opts, total):
+    """Warns when the learning rate reaches its final value before half the run and stays near
+    0 after, e.g. a schedule built with the wrong steps_per_epoch (`len((x, y))` is 2)."""
+    if jax.process_index() != 0 or not total or total < 4:
+        return
+    steps = np.linspace(0, total - 1, 65).astype(np.int32)
+
+    # An inject_hyperparams schedule's lr at `step` (an error if none). With no public call for it,
+    # optax.tree sets the count of the schedule's state (found by class name) and runs one update.
+    def scheduled(step):
+        s = state.tx.init({})
+        wrapped = optax.tree.get(s, "WrappedScheduleState")
+        s = optax.tree.set(s, WrappedScheduleState=wrapped._replace(count=step))
+        return _lr_in(state.tx.update({}, s, {})[1])
+    try:
+        lrs = jax.jit(jax.vmap(opts.lr_fn or scheduled))(steps)
+    except Exception:  # no schedule that fit can see: nothing to say
+        return
+    lrs = np.asarray(lrs, np.float64)
+    moving = np.flatnonzero(lrs != lrs[-1])
+    if not len(moving) or abs(lrs[-1]) > 0.01 * np.abs(lrs).max():
+        return
+    end = int(steps[moving[-1] + 1])
+    if end < total / 2:
+        warnings.warn(f"fit: the learning-rate schedule reaches its final value {lrs[-1]:.3g} at "
+                      f"about step {end}, but this run trains {total} steps. Was it built for "
+                      f"this run (e.g. lr_schedule(steps_per_epoch=...): array data gives "
+                      f"ceil(len(x) / batch_size) steps per epoch)?", stacklevel=3)
+
+
+def _agree(mine, what):
+    """Raises the same error in every process if their texts differ (a collective)."""
+    mine = mine.encode()
+    # A digest to compare, then the text to show (cut to a fixed length, as a gather needs).
+    row = np.frombuffer(hashlib.sha256(mine).digest() + mine[:2048].ljust(2048, b"\0"), np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row))
+    if (rows[:, :32] == rows[0, :32]).all():
+        return
+    listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
+                         for i, r in enumerate(rows))
+    raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must feed "
+                     f"the same number of batches of the same shapes (its share of each global "
+                     f"batch), or the run hangs in a collective or trains on mismatched arrays.")
+
+
+# -- Advice: your functions checked as they are traced ----------------------------------------
+
+def _trace(fn, state, spec, config, fit_calls=False):
+    """`fn(state, batch)`'s output shapes: checks your functions before any compile or directory,
+    turning cryptic failures into advice (`fit_calls`: "train" or "eval" where fit calls the
+    model, so that your own function may call it instead)."""
+    try:
+        return jax.eval_shape(fn, state, spec)
+    except NameError as e:
+        axis = (re.findall(r"unbound axis name: ([\w-]+)", str(e)) or [None])[0]
+        if not axis:
             raise
-        return state
-
-    def open(self):
-        """The orbax manager, keeping what the run's `_Best` says."""
-        if self.mgr is None:
-            logging.getLogger("absl").addFilter(self.quiet)
-            self.mgr = _open(self.ckpt_dir, ocp.CheckpointManagerOptions(
-                cleanup_tmp_directories=True, **self.best.manager_options()))
-
-    def overdue(self):
-        """Whether `ckpt_interval` has passed since the last save."""
-        return time.monotonic() - self.last_time >= self.interval
-
-    def raise_failed(self):
-        """A failed asynchronous save's error, once it has ended (orbax is asked only while a save
-        is in flight: each ask costs ~50 us). One process alone: orbax's wait may be a collective,
-        and processes need not agree on whether a save is still in progress; there, errors come
-        at the next save."""
-        if self.writing and self.processes == 1 and not self.mgr.is_saving_in_progress():
-            self.wait()  # returns at once; raises a finished save's error
-
-    def count_call(self):
-        """A loop call counted for JAX's preemption notifier: "preemption" when it picked this
-        call for every process to stop at. It counts calls, not steps: with steps_per_jit the step
-        jumps over the one it picks. At every call with several processes (it expects that); one
-        process has no notifier."""
-        if self.processes == 1:
-            return None
-        self.calls += 1
-        if self.mgr.reached_preemption(self.calls):
-            return "preemption"
-
-    def save(self, step, state, value):
-        self.wait()  # the previous save commits first (orbax would wait here too)
-        with self._failure(step):
-            saved = self.mgr.save(step, metrics=None if value is None else {self.monitor: value},
-                                  args=ocp.args.Composite(
-                                      state=ocp.args.StandardSave(_key_data(state)),
-                                      meta=ocp.args.JsonSave(self.progress.write())))
-            if not saved:  # (orbax refuses a step at or below the latest it lists)
-                raise RuntimeError(f"orbax refused to save step {step}: its latest step is "
-                                   f"{self.mgr.latest_step()}")
-        self.saved, self.last_time, self.writing = step, time.monotonic(), True
-
-    def wait(self):
-        if self.mgr is not None:
-            with self._failure(self.saved):
-                self.mgr.wait_until_finished()
-            self.good, self.writing = self.saved, False
-
-    @contextlib.contextmanager
-    def _failure(self, step):
-        """One clear error for a save that failed, in the foreground or in the background."""
-        try:
-            yield
-        except Exception as e:
-            for name in ("asyncio", "absl"):  # (for good: some come after fit's error)
-                logging.getLogger(name).addFilter(_quiet(self.ckpt_dir))
-            warnings.filterwarnings("ignore", r"coroutine '.*(write|serializ).*' was never "
-                                    r"awaited", RuntimeWarning)
-            cause = _cause(e)
-            fix = "Free space" if os.strerror(errno.ENOSPC) in cause else "Fix the cause"
-            then = (f"The last good checkpoint is step {self.good}, and it is intact. {fix}, "
-                    f"then call fit again with resume=True to go on from it." if self.good
-                    is not None else f"No checkpoint of this run was written. {fix}, then call "
-                                     f"fit again (the run starts afresh).")
-            raise OSError(f"fit: saving the checkpoint of step {step} to {self.ckpt_dir} "
-                          f"failed: {cause}. {then}") from e
-
-    def close(self):
-        try:
-            self.wait()  # raises errors of asynchronous saves, never loses them
-        finally:
-            try:
-                if self.mgr is not None:
-                    self.mgr.close()
-            finally:
-                logging.getLogger("absl").removeFilter(self.quiet)
-                if self.lock is not None:  # the run is free for a resume
-                    self.lock.close()
-                    self.lock = None
+        raise ValueError(f"fit: the model uses the named axis {axis!r} (e.g. BatchNorm(axis_name="
+                         f"{axis!r}), written for pmap), which plain jit does not bind; pass "
+                         f"axis_name={axis!r} to fit to run the step per device over it.") from None
+    except TypeError as e:  # (Python names the method: "MLP.__call__() missing 1 required")
+        train = "unexpected keyword argument 'train'" in str(e)
+        if not fit_calls or not (train or "__call__() missing" in str(e)):
+            raise
+        fix = (f"eval_step({'state' if config.linen else 'model'}, batch)" if fit_calls == "eval"
+               else "train_step(state, batch) -> (state, metrics) and eval_step(state, batch)"
+               if config.linen else "nnx_loss_fn(model, batch, rngs) and eval_step(model, batch)")
+        what = ("does not take train=, which fit passes" if train else
+                "needs arguments that fit does not pass")
+        raise TypeError(f"fit: the model {what} when it calls the model itself ({e}). Pass your "
+                        f"own {fix} to call it your way; see README.md.") from None
+    except ValueError as e:  # an nnx Dropout without rngs of its own, called with none
+        if config.loss_name == "nnx_loss_fn" or "no `rngs` argument" not in str(e):
+            raise
+        raise ValueError(f"fit: {str(e).splitlines()[0]}: the model takes rngs at call time; "
+                         f"call it yourself with nnx_loss_fn(model, batch, rngs), see README.md "
+                         f"(NNX models).") from None
+    except flax.errors.ScopeCollectionNotFound as e:
+        if "batch_stats" not in str(e) or hasattr(state, "batch_stats"):
+            raise
+        name = type(state).__name__
+        raise TypeError(f"fit: the model has BatchNorm statistics, but {name} has no batch_stats "
+                        f"field to keep them in; add one (class MyState({name}): batch_stats: "
+                        f"Any = None, then MyState.create(..., batch_stats=variables["
+                        f"'batch_stats'])), or use fit.TrainState.") from None
 
 
-def _quiet(ckpt_dir=None):
-    """A log filter that hides orbax's reports of a failure fit raises clearly: its records (while
-    fit runs); with `ckpt_dir` (after a failed save, for good), any that name the directory: the
-    save's other writes end later (its closed loop's tasks, its threads) and report it again."""
-    def quiet(record):
-        text = record.pathname if not ckpt_dir else record.getMessage() + (
-            "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
-        return f"{os.sep}orbax{os.sep}" not in text and not (ckpt_dir and ckpt_dir in text)
-    return quiet
+def _metric_names(metrics, who, default):
+    """The names of a step's metrics, from their shapes (jax.eval_shape): each must be a scalar."""
+    for name, value in _as_dict(metrics, default).items():
+        for part in value if isinstance(value, Weighted) else [value]:
+            if getattr(part, "shape", ()) != () or not jnp.issubdtype(part.dtype, jnp.number):
+                raise TypeError(f"fit: {who} must return scalar metrics (per-batch means or "
+                                f"Weighted(total, weight) of scalars), but metric {name!r} has "
+                                f"shape {part.shape} and dtype {part.dtype}; reduce it with "
+                                f".mean() or .sum().")
+    return list(_as_dict(metrics, default))
 
 
-def _open(ckpt_dir, options):
-    # Before orbax starts: reads or writes in flight when a restore or a save fails call back
-    # into orbax's closed event loop, from tensorstore's threads, and each prints a traceback.
-    if not getattr(sys.unraisablehook, "fit_quiet", False):
-        def unraisable(error, hook=sys.unraisablehook):
-            if not (error.exc_type is RuntimeError and str(error.exc_value) ==
-                    "Event loop is closed"):
-                hook(error)
-        sys.unraisablehook, unraisable.fit_quiet = unraisable, True
-    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-    return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
+def _warn_dtypes(new, old):
+    """At trace time: a step that changes a leaf's dtype (bf16 params from a float32 state) gets
+    its leaves cast back, silently but for this warning."""
+    changed = [(jax.tree_util.keystr(path), n.dtype, o.dtype) for (path, n), o in zip(
+        jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(old)) if n.dtype != o.dtype]
+    if changed:
+        path, new_dtype, old_dtype = changed[0]
+        warnings.warn(f"fit: the train step changes the dtype of {len(changed)} state leaves "
+                      f"(e.g. {path}: {new_dtype}, where the state holds {old_dtype}); fit casts "
+                      f"them back, so each step starts from the state's dtypes. To train in "
+                      f"another dtype, build the state in it.")
 
 
-def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
-    """`(state, meta)` of `step`, into `state`'s structure, shapes, shardings (`weights_only`: its
-    `params` and `batch_stats`, into a state with any optimizer; `ema`: the average as params)."""
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          _key_data(state))
-    # Compare first: orbax's own errors do not name the parameter whose shape differs.
-    name = _path_name
-    weight = lambda path: not weights_only or name(path).split("/")[0] in ("params", "batch_stats")
-    shapes = lambda tree: {name(path): tuple(x.shape) for path, x in
-                           jax.tree_util.tree_leaves_with_path(tree) if weight(path)}
-    try:
-        metadata = mgr.item_metadata(step)["state"]
-        stored, wanted = shapes(metadata), shapes(target)
-        if not stored:
-            raise ValueError("the state's metadata (state/_METADATA) is missing or empty")
-        every = {name(p): tuple(x.shape) for p, x in  # (every leaf: where the average is)
-                 jax.tree_util.tree_leaves_with_path(metadata.tree, is_leaf=_is_array_like)}
-    except Exception as e:
-        raise _unrestorable(mgr, step, e, who) from None
-    averages = {k[:k.index("fit_ema_params")] + "fit_ema_params" for k in every
-                if "fit_ema_params" in k}
-    if ema and len(averages) != 1:
-        raise ValueError(f"{who}: ema=True, but the checkpoint at step {step} in {mgr.directory} "
-                         f"holds no fit.ema average: its run's optimizer was not wrapped in "
-                         f"fit.ema(tx). Load it without ema=True.")
-    # Weights only: each of the state's weights comes from the checkpoint's leaf of that name;
-    # with `ema` the params from the average's; an nnx model's variable filed in the other group
-    # (the optimizer's `wrt` decides which) by its path inside the model.
-    source = {k: k for k in wanted}
-    if weights_only and ema:
-        average = averages.pop()
-        source = {k: average + k[6:] if k.startswith("params/") else k for k in wanted}
-        stored = {k: every[v] for k, v in source.items() if v in every}
-    inner = lambda names: {k.split("/", 1)[-1]: k for k in names}
-    if weights_only and stored.keys() != wanted.keys() and len(inner(stored)) == len(stored) \
-            and inner(stored).keys() == inner(wanted).keys():
-        source = {k: inner(stored)[k.split("/", 1)[-1]] for k in wanted}
-        stored = {k: stored[v] for k, v in source.items()}
-    problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
-                + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
-                + [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
-                   for k in stored.keys() & wanted if stored[k] != wanted[k]])
-    if problems:
-        listed = "\n  ".join(sorted(problems)[:12]) + ("\n  ..." if len(problems) > 12 else "")
-        raise ValueError(f"{who}: the checkpoint at step {step} in {mgr.directory} does not fit "
-                         f"this state ({len(problems)} differences, another model or "
-                         f"optimizer?):\n  {listed}\nUse the model and optimizer of the run that "
-                         f"wrote it, or start a fresh run (resume=False or another log_name).")
-    as_before = lambda r, s: jax.random.wrap_key_data(r, impl=jax.random.key_impl(s)) if \
-        _is_key(s) else jnp.asarray(r, s.dtype)
-    if weights_only:  # the weights placed as the state's, at their source; the rest (orbax
-        # restores no part alone) into host memory (JAX's CPU device, beside any accelerator)
-        groups = [k for k in ("params", "batch_stats") if hasattr(target, k)]
-        mine = {source[name(p)]: x for p, x in jax.tree_util.tree_leaves_with_path(
-            {k: getattr(target, k) for k in groups})}
-        one = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-        saved = jax.tree_util.tree_map_with_path(
-            lambda p, x: mine.get(name(p), jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)),
-            metadata.tree, is_leaf=_is_array_like)
-        with _restoring(mgr, step, who):
-            out = mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(saved)))["state"]
-        got = {name(p): x for p, x in jax.tree_util.tree_leaves_with_path(out)}
-        return state.replace(**{k: jax.tree_util.tree_map_with_path(
-            lambda p, x, k=k: as_before(got[source[f"{k}/{name(p)}"]], x), getattr(state, k))
-            for k in groups}), None
-    with _restoring(mgr, step, who):
-        out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                                        meta=ocp.args.JsonRestore()))
-        if not (isinstance(out["meta"], dict) and "epoch" in out["meta"]):
-            raise ValueError(f"its meta item holds {str(out['meta'])[:80]}")
-    restored = jax.tree.map(as_before, out["state"], state)
-    if ema:
-        restored = restored.replace(params=_ema_params(restored.opt_state))
-    return restored, out["meta"]
-
-
-_is_array_like = lambda x: hasattr(x, "shape")  # (a checkpoint's metadata leaf)
-
-
-@contextlib.contextmanager
-def _restoring(mgr, step, who):
-    """Any failure to read a checkpoint (truncated file, missing item, half a JSON) as one error."""
-    try:
-        yield
-    except Exception as e:
-        raise _unrestorable(mgr, step, e, who) from None
-
-
-def _unrestorable(mgr, step, error, who):
-    """The error for a damaged checkpoint: its step, the cause, the earlier steps, how to go on."""
-    path = os.path.join(str(mgr.directory), str(step))
-    earlier = sorted(s for s in mgr.all_steps() if s < step)
-    go_on = (f"The run's earlier checkpoints: steps {earlier}. To go on from step {earlier[-1]}, "
-             f"move the damaged one aside (mv {path} {path}.damaged), then call fit again with "
-             f"resume=True (or load_ckpt(..., step={earlier[-1]}))" if earlier else
-             "It is the run's only checkpoint (fit keeps the latest and the max_to_keep best), "
-             "so there is none to go back to: start a fresh run")
-    return ValueError(f"{who}: the checkpoint of step {step} at {path} is damaged and cannot be "
-                      f"restored: {_cause(error)}. {go_on}.")
-
-
-def _cause(error):
-    """An exception and its chain in one line: the first line (at most 200 characters) and an OS
-    error named anywhere (orbax says "No space left on device" far past its first line)."""
-    chain = []
-    while error is not None and len(chain) < 8:
-        chain.append(str(error) or type(error).__name__)
-        error = error.__cause__ or error.__context__
-    whole, line = "\n".join(chain), chain[0].strip().splitlines()[0]
-    line = line if len(line) <= 200 else line[:200] + "..."
-    found = sorted((whole.find(m), m) for m in map(os.strerror, errno.errorcode) if m in whole)
-    return f"{line} ({found[0][1]})" if found and found[0][1] not in line else line
-
-
-def _key_data(tree):
-    """Typed PRNG keys as their raw uint32 data, which orbax can save."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
-
+# -- The run's claim and lock ------------------------------------------------------------------
 
 def _claim_run(workdir, log_name, resume, claim=True):
     """Picks the run and claims it: `(name, whether it has a checkpoint, the lock)`. Runs are
@@ -2563,7 +2771,73 @@ def _lock(run_dir):
     return lock
 
 
+# -- Damaged checkpoints and failed saves ------------------------------------------------------
+
+def _check_fits(stored, wanted, where):
+    """Raises, naming each leaf, if a checkpoint's `stored` shapes (by path) differ from the state's
+    (`wanted`): orbax's own errors do not name the parameter whose shape differs."""
+    problems = ([f"{k}: in the checkpoint, not in the state" for k in stored.keys() - wanted]
+                + [f"{k}: in the state, not in the checkpoint" for k in wanted.keys() - stored]
+                + [f"{k}: shape {stored[k]} in the checkpoint, {wanted[k]} in the state"
+                   for k in stored.keys() & wanted if stored[k] != wanted[k]])
+    if problems:
+        listed = "\n  ".join(sorted(problems)[:12]) + ("\n  ..." if len(problems) > 12 else "")
+        raise ValueError(f"{where} does not fit this state ({len(problems)} differences, another "
+                         f"model or optimizer?):\n  {listed}\nUse the model and optimizer of the "
+                         f"run that wrote it, or start a fresh run (resume=False or another "
+                         f"log_name).")
+
+
+@contextlib.contextmanager
+def _restoring(mgr, step, who):
+    """Any failure to read a checkpoint (truncated file, missing item, half a JSON) as one error."""
+    try:
+        yield
+    except Exception as e:
+        raise _unrestorable(mgr, step, e, who) from None
+
+
+def _unrestorable(mgr, step, error, who):
+    """The error for a damaged checkpoint: its step, the cause, the earlier steps, how to go on."""
+    path = os.path.join(str(mgr.directory), str(step))
+    earlier = sorted(s for s in mgr.all_steps() if s < step)
+    go_on = (f"The run's earlier checkpoints: steps {earlier}. To go on from step {earlier[-1]}, "
+             f"move the damaged one aside (mv {path} {path}.damaged), then call fit again with "
+             f"resume=True (or load_ckpt(..., step={earlier[-1]}))" if earlier else
+             "It is the run's only checkpoint (fit keeps the latest and the max_to_keep best), "
+             "so there is none to go back to: start a fresh run")
+    return ValueError(f"{who}: the checkpoint of step {step} at {path} is damaged and cannot be "
+                      f"restored: {_cause(error)}. {go_on}.")
+
+
+def _cause(error):
+    """An exception and its chain in one line: the first line (at most 200 characters) and an OS
+    error named anywhere (orbax says "No space left on device" far past its first line)."""
+    chain = []
+    while error is not None and len(chain) < 8:
+        chain.append(str(error) or type(error).__name__)
+        error = error.__cause__ or error.__context__
+    whole, line = "\n".join(chain), chain[0].strip().splitlines()[0]
+    line = line if len(line) <= 200 else line[:200] + "..."
+    found = sorted((whole.find(m), m) for m in map(os.strerror, errno.errorcode) if m in whole)
+    return f"{line} ({found[0][1]})" if found and found[0][1] not in line else line
+
+
+def _quiet(ckpt_dir=None):
+    """A log filter that hides orbax's reports of a failure fit raises clearly: its records (while
+    fit runs); with `ckpt_dir` (after a failed save, for good), any that name the directory: the
+    save's other writes end later (its closed loop's tasks, its threads) and report it again."""
+    def quiet(record):
+        text = record.pathname if not ckpt_dir else record.getMessage() + (
+            "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
+        return f"{os.sep}orbax{os.sep}" not in text and not (ckpt_dir and ckpt_dir in text)
+    return quiet
+
+
 # -- Signals: SIGINT, SIGTERM and preemption notices -------------------------------------------
+
+_SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
+
 
 class _Signals:
     """Why the run must stop. Ctrl-C or SIGTERM stops after the step with a checkpoint, resumably
@@ -2614,145 +2888,7 @@ class _Signals:
             raise KeyboardInterrupt
 
 
-# -- Checks and small helpers ------------------------------------------------------------------
-
-def _check_state(state, opts):
-    if not (opts.train_step or opts.loss_fn or opts.nnx_loss_fn):
-        raise ValueError("fit: pass loss_fn(outputs, targets)" + (
-            " or nnx_loss_fn(model, batch, rngs)." if _is_nnx(state) else
-            " (or your own train_step)."))
-    if _is_nnx(state):
-        if opts.loss_fn and opts.nnx_loss_fn:
-            raise ValueError("fit: pass loss_fn= or nnx_loss_fn=, not both.")
-        for name in ("train_step", "axis_name"):
-            if getattr(opts, name) is not None:
-                raise ValueError(f"fit: {name}= is for TrainState runs; an nnx model trains with "
-                                 f"loss_fn(model(inputs), targets) or nnx_loss_fn(model, batch, "
-                                 f"rngs), and eval_step(model, batch).")
-    elif _is_nnx(getattr(state, "model", None)):  # e.g. an nnx.ModelAndOptimizer
-        raise ValueError(f"fit: state is a {type(state).__name__}, which holds the model and its "
-                         f"optimizer; pass them apart: fit(state.model, ..., optimizer=state).")
-    elif opts.optimizer is not None or opts.nnx_loss_fn is not None:
-        name = "optimizer" if opts.optimizer is not None else "nnx_loss_fn"
-        raise ValueError(f"fit: {name}= is for nnx models; a TrainState carries its own "
-                         f"optimizer (tx), and fit calls loss_fn(outputs, targets) for it.")
-    elif getattr(state, "tx", None) is None or not hasattr(state, "apply_gradients"):
-        raise ValueError(f"fit: state must be a TrainState with an optimizer (tx), got "
-                         f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build "
-                         f"it with TrainState.create(apply_fn=..., params=..., tx=optax.adam"
-                         f"(...)), or pass an nnx model with optimizer=nnx.Optimizer(...).")
-
-
-def _mesh(opts, state):
-    """`mesh=`; else the mesh that the state's arrays are already sharded over (they keep their
-    shardings); else the one set with `jax.set_mesh` around the call (code inside it must run on
-    that mesh); else every device along one 'data' axis."""
-    own = {x.sharding.mesh for x in jax.tree.leaves(state) if _split(x)}
-    mesh = opts.mesh or _default_mesh()
-    if opts.mesh is None and opts.state_sharding is None and len(own) == 1:
-        mesh = own.pop()
-    if opts.mesh is None and "data" not in mesh.axis_names:
-        raise ValueError(f"fit: the state's mesh (or the one set with jax.set_mesh) has axes "
-                         f"{mesh.axis_names}, without a 'data' axis to shard batches over; pass "
-                         f"mesh=.")
-    if not opts.axis_name:
-        return mesh  # as given: the mesh that the state's shardings name, axis types and all
-    # A model written for pmap calls lax.pmean(..., axis_name): the data axis takes that name.
-    names = tuple(opts.axis_name if axis == "data" else axis for axis in mesh.axis_names)
-    return Mesh(mesh.devices, names, axis_types=mesh.axis_types)
-
-
-def _platform(mesh):
-    """The platform of the mesh's devices: "cpu", "gpu" or "tpu"."""
-    return mesh.devices.flat[0].platform
-
-
-def _default_mesh():
-    """The mesh set with `jax.set_mesh` around the call, else every device on one 'data' axis."""
-    context = jax.sharding.get_mesh()
-    return Mesh(np.array(jax.devices()), ("data",)) if context.empty else context
-
-
-def _check_data(train, tests, opts, mesh):
-    """The batching, and that every process feeds the same batches' count and shapes (its share
-    of each global batch): a mismatch would hang in a collective or silently train on mismatched
-    arrays. Every process compares the same table, once, and raises the same error."""
-    if opts.batch_size is not None and not any(d.arrays for d in (train, *tests.values())):
-        raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data (x, y), but "
-                         f"train_ds and test_ds yield their own batches; drop batch_size.")
-    n, d = train.batch_size, _local_shards(mesh, opts.axis_name or "data")
-    if n % d:
-        raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
-                         f"devices ({d}); use {n - n % d or d} or {n + d - n % d}. (Only a smaller "
-                         f"last batch may split unevenly: it runs whole on every device.)")
-    if n % (d * opts.grad_accum):
-        k = opts.grad_accum
-        raise ValueError(f"fit: grad_accum={k} splits each device's rows into {k} equal "
-                         f"microbatches, but the train batch size ({n}) gives {d} device(s) "
-                         f"{n // d} rows each; use a batch size divisible by devices x grad_accum "
-                         f"= {d * k}, e.g. {n + d * k - n % (d * k)}. (A smaller last batch runs "
-                         f"in fewer microbatches.)")
-    if jax.process_count() > 1 and train.length is None and not (
-            opts.steps_per_epoch or opts.max_steps):
-        raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
-                         "needs steps_per_epoch= or max_steps=, so all run the same steps.")
-    if jax.process_count() > 1:
-        _agree("; ".join(d.describe() for d in (train, *tests.values())),
-               "the processes' data disagree")
-
-
-def _agree(mine, what):
-    """Raises the same error in every process if their texts differ (a collective)."""
-    mine = mine.encode()
-    # A digest to compare, then the text to show (cut to a fixed length, as a gather needs).
-    row = np.frombuffer(hashlib.sha256(mine).digest() + mine[:2048].ljust(2048, b"\0"), np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(row))
-    if (rows[:, :32] == rows[0, :32]).all():
-        return
-    listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
-                         for i, r in enumerate(rows))
-    raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must feed "
-                     f"the same number of batches of the same shapes (its share of each global "
-                     f"batch), or the run hangs in a collective or trains on mismatched arrays.")
-
-
-@functools.lru_cache(maxsize=None)
-def _local_shards(mesh, axis):
-    """Over how many slices of `axis` this process's devices split its rows (all, alone)."""
-    i = mesh.axis_names.index(axis)
-    return len({idx[i] for idx in np.ndindex(mesh.devices.shape)
-                if mesh.devices[idx].process_index == jax.process_index()})
-
-
-def _check_schedule(state, opts, total):
-    """Warns when the learning rate reaches its final value before half the run and stays near
-    0 after, e.g. a schedule built with the wrong steps_per_epoch (`len((x, y))` is 2)."""
-    if jax.process_index() != 0 or not total or total < 4:
-        return
-    steps = np.linspace(0, total - 1, 65).astype(np.int32)
-
-    # An inject_hyperparams schedule's lr at `step` (an error if none). With no public call for it,
-    # optax.tree sets the count of the schedule's state (found by class name) and runs one update.
-    def scheduled(step):
-        s = state.tx.init({})
-        wrapped = optax.tree.get(s, "WrappedScheduleState")
-        s = optax.tree.set(s, WrappedScheduleState=wrapped._replace(count=step))
-        return _lr_in(state.tx.update({}, s, {})[1])
-    try:
-        lrs = jax.jit(jax.vmap(opts.lr_fn or scheduled))(steps)
-    except Exception:  # no schedule that fit can see: nothing to say
-        return
-    lrs = np.asarray(lrs, np.float64)
-    moving = np.flatnonzero(lrs != lrs[-1])
-    if not len(moving) or abs(lrs[-1]) > 0.01 * np.abs(lrs).max():
-        return
-    end = int(steps[moving[-1] + 1])
-    if end < total / 2:
-        warnings.warn(f"fit: the learning-rate schedule reaches its final value {lrs[-1]:.3g} at "
-                      f"about step {end}, but this run trains {total} steps. Was it built for "
-                      f"this run (e.g. lr_schedule(steps_per_epoch=...): array data gives "
-                      f"ceil(len(x) / batch_size) steps per epoch)?", stacklevel=3)
-
+# -- Small helpers ------------------------------------------------------------------------------
 
 def _mean(name, total, weight, who, where):
     """A metric's exact value over many batches: the sum of its totals over their weights."""
@@ -2763,123 +2899,6 @@ def _mean(name, total, weight, who, where):
         raise ValueError(f"fit: metric {name!r} of {who} has a total weight of 0 over {where} "
                          f"(all padding?), so it has no value; give it real examples.")
     return total / weight
-
-
-def _positive_int(value):
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value > 0
-
-
-_RULES = {  # option: (error, is a value valid?, what it must be); None passes if it is the default
-    **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit",
-                     "grad_accum",
-                     "ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "batch_size"),
-                    (ValueError, _positive_int, "a positive integer")),
-    "eval_steps": (ValueError, lambda v: _positive_int(v) or isinstance(v, dict) and all(
-        map(_positive_int, v.values())), "a positive integer, or a dict {eval set: one}"),
-    **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn", "nnx_loss_fn"),
-                    (TypeError, callable, "a function")),
-    "mode": (ValueError, lambda v: v in ("auto", "min", "max"), "'auto', 'min' or 'max'"),
-    "verbose": (ValueError, lambda v: v in (0, 1, 2), "0, 1 or 2"),
-    "on_nonfinite": (ValueError, lambda v: v in ("raise", "skip"), "'raise' or 'skip'"),
-    "ckpt_interval": (ValueError, lambda v: isinstance(v, (int, float)) and v > 0,
-                      "a positive number of seconds"),
-    "peak_tflops": (ValueError, lambda v: isinstance(v, (int, float)) and not isinstance(
-        v, bool) and v > 0, "a positive number (a device's dense TFLOP/s)"),
-    "hooks": (TypeError, lambda v: isinstance(v, (list, tuple)) and all(map(callable, v)),
-              "a list of functions hook(event, run)"),
-    "hparams": (TypeError, lambda v: isinstance(v, dict), "a dict of name -> value"),
-    "resume": (ValueError, lambda v: isinstance(v, bool) or isinstance(v, str) and v,
-               "True, False or the name of a run"),
-    "batch_keys": (ValueError, lambda v: isinstance(v, (tuple, list)) and len(v) == 2,
-                   "a pair (inputs_key, targets_key)"),
-    **dict.fromkeys(("tensorboard", "ema_eval"), (TypeError, lambda v: isinstance(v, bool),
-                                                  "True or False")),
-    "workdir": (ValueError, lambda v: isinstance(v, (str, os.PathLike)) and not re.match(
-        r"[a-zA-Z][\w+.-]*://", str(v)), "a local directory (URLs such as gs://... are not "
-                "supported: use a mounted path)"),
-    "log_name": (ValueError, lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]+", v),
-                 "a non-empty name of letters, digits, '_', '-' or '.'"),
-}
-
-
-def _split(x):
-    """Whether `x` is an array split over the devices of a mesh."""
-    sharding = getattr(x, "sharding", None)
-    return isinstance(sharding, NamedSharding) and not sharding.is_fully_replicated
-
-
-def _state_shardings(state, opts, mesh):
-    """Where each leaf of the state lives: `state_sharding` (a tree like the state, or a function of
-    it, of PartitionSpecs or shardings, as your own jax.jit takes, e.g. from
-    `flax.linen.get_partition_spec`) over `mesh`; else a leaf's own over `mesh`; else replicated."""
-    if opts.state_sharding is None:
-        return _ema_as_params(jax.tree.map(lambda x: x.sharding if _split(x) and
-                                           x.sharding.mesh == mesh else _replicated(mesh),
-                                           state))
-    state_sharding = opts.state_sharding
-    tree = state_sharding(state) if callable(state_sharding) else state_sharding
-    is_leaf = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))
-    to_sharding = lambda s: s if isinstance(s, jax.sharding.Sharding) else NamedSharding(
-        mesh, s or P())
-    try:
-        shardings = jax.tree.map(to_sharding, tree, is_leaf=is_leaf)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"fit: state_sharding must be a tree like the state (or a function of "
-                         f"it) of PartitionSpecs or shardings: {e}") from None
-    if jax.tree.structure(shardings) != jax.tree.structure(state):  # (a prefix of the state)
-        return shardings
-    return _ema_as_params(jax.tree_util.tree_map_with_path(functools.partial(_on_mesh, mesh),
-                                                           state, shardings))
-
-
-def _ema_as_params(shardings):
-    """The state's shardings with an `ema` average's leaves placed as the params are."""
-    if not hasattr(shardings, "opt_state") or not hasattr(shardings, "params"):
-        return shardings
-    like = lambda x: x._replace(fit_ema_params=shardings.params) if _is_ema(x) else x
-    return shardings.replace(opt_state=jax.tree.map(like, shardings.opt_state, is_leaf=_is_ema))
-
-
-def _on_mesh(mesh, path, x, sharding):
-    """A leaf `state_sharding` leaves on one device of a larger mesh (made there, as fit's `rng`) is
-    replicated if a scalar or `rng`; a larger one would fail every step ("incompatible devices")."""
-    if len(sharding.device_set) != 1 or mesh.size == 1:
-        return sharding
-    name = _path_name(path)
-    if np.ndim(x) == 0 or name == "rng":
-        return _replicated(mesh)
-    raise ValueError(f"fit: state_sharding puts {name} (shape {np.shape(x)}) on one device, "
-                     f"{next(iter(sharding.device_set))}, but the mesh has {mesh.size}; give it "
-                     f"a PartitionSpec (P() to replicate it) or a sharding over the mesh.")
-
-
-def _place_state(state, seed, sharding):
-    """A private, placed copy of the caller's state (the step donates its input), of its own
-    class, with strong dtypes (`TrainState.create` makes a weakly-typed step, orbax restores a
-    strong one), so a fresh and a restored state hit the same compilation. `sharding`: a
-    Sharding, or a function of the state completed here (fit's `rng` filled from `seed`)."""
-    if getattr(state, "rng", False) is None:  # (fit's TrainState: raw key data, for orbax)
-        state = state.replace(rng=jax.random.key_data(jax.random.key(seed)))
-    if getattr(state, "batch_stats", False) is None:
-        state = state.replace(batch_stats={})
-    # Weak types and non-jax leaves (Python and numpy scalars) become strong numpy values.
-    state = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not getattr(
-        x, "weak_type", False) else np.asarray(x), state)  # (typed keys have no weak_type)
-    sharding = sharding(state) if callable(sharding) else sharding
-    # The transfer makes the copy (jnp copies compile an eager op per shape). Onto several devices
-    # it reuses the caller's buffer as one shard (jax 0.10), which donation would delete: copy it.
-    placed = jax.device_put(state, sharding, may_alias=False)
-    # (addressable_data, not addressable_shards: a replicated array of a process with one
-    # device in a job of several lists shards that it cannot build, jax 0.10)
-    buffers = lambda x: {x.addressable_data(i).unsafe_buffer_pointer()
-                         for i in range(len(x.sharding.addressable_devices))}
-    aliases = lambda p, x: isinstance(x, jax.Array) and (_is_key(x) or bool(buffers(p) &
-                                                                         buffers(x)))
-    return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p, placed, state)
-
-
-def _replicated(mesh):
-    return NamedSharding(mesh, P())
 
 
 def _path_name(path):
