@@ -100,10 +100,9 @@ __all__ = ["TrainState", "Weighted", "lr_schedule", "ema", "Options", "fit", "ev
 # -- Public building blocks, the options and fit -----------------------------------------------
 
 class TrainState(train_state.TrainState):
-    """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the run's base key:
-    step n draws `fold_in(rng, n)` for the whole global batch, so randomness survives a resume and
-    the device count. Left `None`, fit fills it from `seed` (raw `uint32` key data, which orbax can
-    save). `tx=None` makes a state without an optimizer, for `evaluate` and `load_ckpt`. Any flax
+    """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the base key (None:
+    fit fills it from `seed`); step n draws `fold_in(rng, n)`, so randomness survives a resume and
+    the device count. `tx=None`: no optimizer, for `evaluate` and `load_ckpt`. Any flax
     TrainState subclass trains too, every field saved and returned (e.g. `ema_params`)."""
     batch_stats: Any = flax.struct.field(default_factory=dict)
     rng: Any = None
@@ -116,8 +115,6 @@ class TrainState(train_state.TrainState):
 
 
 Weighted = collections.namedtuple("Weighted", "total weight")
-
-
 Weighted.__doc__ = """A metric given as a sum and its weight, e.g. `Weighted(token_losses.sum(),
 mask.sum())` for a padded batch: fit logs sum(total) / sum(weight) over the whole eval set or log
 interval, exactly, where a plain per-batch mean is weighted by rows (eval) or steps (train). A loss
@@ -126,10 +123,9 @@ with `grad_accum` or `axis_name` sums totals and weights over microbatches and d
 
 
 def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0):
-    """Linear warmup from `init_value` (default 0) to `base_lr` over `warmup_epochs` (fractional
-    or 0, below `epochs`), then a cosine decay that reaches `end_value` (default 0) exactly at the
-    last step, `epochs * steps_per_epoch - 1` (for arrays, `steps_per_epoch` is `ceil(len(x) /
-    batch_size)`). Returns an optax schedule (step -> learning rate)."""
+    """An optax schedule: linear warmup from `init_value` to `base_lr` over `warmup_epochs` (may be
+    fractional), then a cosine decay reaching `end_value` exactly at the last step, `epochs *
+    steps_per_epoch - 1` (for arrays, `steps_per_epoch` is `ceil(len(x) / batch_size)`)."""
     for name, value in (("steps_per_epoch", steps_per_epoch), ("epochs", epochs)):
         if not _positive_int(value):
             raise ValueError(f"lr_schedule: {name} must be a positive integer, got {value!r}.")
@@ -138,25 +134,19 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
                          f"warmup_epochs={warmup_epochs!r} and epochs={epochs!r}; lower one.")
     total = epochs * steps_per_epoch
     warmup = int(round(warmup_epochs * steps_per_epoch))
-    # The cosine spans the steps after warmup up to the last, total-1 (common bugs: decaying over
-    # `total`, a step short, or over the whole run, so warmup ends on a decayed schedule).
+    # The cosine spans the steps after warmup up to the last, total-1 (not `total`, a step short).
     decay_steps = max(total - 1 - warmup, 1)
     return optax.warmup_cosine_decay_schedule(init_value, base_lr, warmup, warmup + decay_steps,
                                               end_value)
 
 
 def ema(tx, decay=0.999, warmup=True):
-    """`tx`, then an exponential moving average of the parameters: an optax transformation whose
-    state keeps the average (`fit_ema_params`, laid out like the params), saved, sharded and
-    resumed with the optimizer state. Each update averages the params it produces, `params +
-    updates`, so wrap the whole chain (`ema(optax.chain(clip, adamw))`) and put it inside
-    `optax.MultiSteps` to average once per real update; `update` needs the params (TrainState and
-    nnx.Optimizer pass them). `warmup=True`: the t-th update (t = 0, 1, ...) uses the decay
-    `min(decay, (1 + t) / (10 + t))`, so the random init fades at once (0.1 at the first update);
-    False: `decay` from the start. The average starts as the initial params (the EMA at step 0).
-    fit evaluates it beside the raw weights at every eval (`eval_ema/...`, option `ema_eval`),
-    can keep the best checkpoint by it (`monitor="eval_ema/accuracy"`), and `load_ckpt(...,
-    ema=True)` loads it as the params. (`optax.ema` averages the updates, not the parameters.)"""
+    """`tx`, then an exponential moving average of the parameters it produces (`optax.ema` averages
+    the updates): an optax transformation whose state keeps the average (`fit_ema_params`), saved,
+    sharded and resumed with the optimizer state. Wrap the whole chain, inside `optax.MultiSteps`
+    if any. `warmup=True`: update t uses `min(decay, (1 + t) / (10 + t))`, so the random init
+    fades at once. fit evaluates the average at every eval (`eval_ema/...`), can keep the best by
+    it (`monitor="eval_ema/accuracy"`); `load_ckpt(..., ema=True)` loads it as the params."""
     if not (isinstance(decay, (int, float)) and 0 <= decay < 1):
         raise ValueError(f"fit.ema: decay must be a number in [0, 1), e.g. 0.999, got {decay!r}.")
     if not isinstance(warmup, bool):
@@ -179,8 +169,7 @@ def ema(tx, decay=0.999, warmup=True):
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-# Field names found nowhere else, so that the average is found in any optimizer state (chains,
-# MultiSteps) and in a checkpoint's metadata, which keeps field names, not class names.
+# Field names found nowhere else: the average is found in any optimizer state and checkpoint.
 _EmaState = collections.namedtuple("_EmaState", "inner fit_ema_count fit_ema_params")
 
 
@@ -204,7 +193,8 @@ _TRACED = {"traced": True}  # the mark of an option that traced code reads (see 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
-    """Every option of `fit` (and the data and placement ones of `evaluate`), checked when built:
+    """Every option of `fit` (and the data and placement ones of `evaluate`), checked when built
+    (the long form of each: docs/reference.md):
     loss_fn: `(outputs, targets) -> loss or (loss, {name: scalar})`; see the module docstring.
     eval_step: `(state, batch) -> scalar` ("accuracy") or `{name: scalar}`; None: `loss_fn`'s loss.
     train_step: `(state, batch[, rng]) -> (state, metrics)`, replacing fit's step; TrainState only.
@@ -219,15 +209,13 @@ class Options:
     eval_freq=1: epochs between evals; the last epoch always evaluates.
     eval_every: steps between evals, instead of `eval_freq` (the end evaluates too).
     eval_steps: at most this many eval batches; with named eval sets, for each, or a dict by set.
-    ema_eval=True: with `ema(tx)` as the optimizer, every eval also runs on the average's params
-        (`eval_ema/<metric>`, with the state's BatchNorm statistics as they are); False skips it.
+    ema_eval=True: with `ema(tx)`, every eval also runs on the average (`eval_ema/<metric>`).
     log_every=50: steps between train logs (bar, TensorBoard, `log` hooks): the interval's means.
     ckpt_interval=300.0: seconds from a save to the next, due at the first log point after.
     ckpt_every: steps between checkpoints, exactly, besides those of `ckpt_interval`.
     max_to_keep=1: best checkpoints kept (by `monitor`), besides the latest.
     monitor: the best checkpoint's metric; None: `eval/accuracy`, `eval/loss`, ..., `train/loss`
-        (named sets: the first set's, `eval/<set>/accuracy`, ...); with `ema(tx)` also
-        `eval_ema/...`, the average's.
+        (named sets: the first set's, `eval/<set>/accuracy`, ...); or `eval_ema/...`.
     mode="auto": "min" or "max"; "auto" reads the monitor's name (loss, accuracy, ...) or raises.
     log_name="run": runs are `<log_name>_<n>`, in `<workdir>/logs/` and `<workdir>/checkpoints/`.
     workdir: where `logs/` and `checkpoints/` go; None: the current directory. No URLs: mount them.
@@ -238,15 +226,10 @@ class Options:
     lr_fn: `lr_fn(step) -> learning rate`, to log the rate without `optax.inject_hyperparams`.
     steps_per_jit=1: k steps per compiled call, over groups of k batches of one shape starting at
         multiples of k, where logs, evals, saves and stops then fall; other batches run singly.
-    grad_accum=1: k microbatches per train batch, in a rolled scan inside the step (activations
-        of one at a time): the gradients of the losses' totals (a mean loss: mean x rows) and
-        their weights are summed, then divided once, so an update is the whole batch's, also for
-        a `Weighted` loss over padded tokens (where `optax.MultiSteps`, a mean of means, is not).
-        Microbatch j is the j-th slice of each device's rows. BatchNorm normalises each
-        microbatch by its own statistics and updates the running ones once per microbatch;
-        dropout draws `fold_in(key, j)` (an nnx model's Rngs advance per microbatch). A batch
-        whose rows do not split into devices x k (an epoch's smaller last) runs in the most
-        microbatches (<= k) that split it. Your own `train_step` accumulates on its own.
+    grad_accum=1: k microbatches per train batch, in a rolled scan inside the step: the losses'
+        totals' gradients and their weights are summed, then divided once, so an update is the
+        whole batch's, also for a `Weighted` loss over padded tokens (`optax.MultiSteps`, a mean
+        of means, is not). BatchNorm sees each microbatch; see docs/reference.md.
     hooks: functions `hook(event, run)`, called after the built-in ones (see `_Run`).
     verbose=1: 0: warnings only; 1: a bar and epoch lines; 2: the lines (1 too if TQDM_DISABLE=1).
     peak_tflops: a device's peak TFLOP/s, for `perf/mfu` on a chip not in `_PEAK_TFLOPS`.
@@ -305,10 +288,8 @@ class Options:
         "mode": (ValueError, lambda v: v in ("auto", "min", "max"), "'auto', 'min' or 'max'"),
         "verbose": (ValueError, lambda v: v in (0, 1, 2), "0, 1 or 2"),
         "on_nonfinite": (ValueError, lambda v: v in ("raise", "skip"), "'raise' or 'skip'"),
-        "ckpt_interval": (ValueError, lambda v: isinstance(v, (int, float)) and v > 0,
-                          "a positive number of seconds"),
-        "peak_tflops": (ValueError, lambda v: isinstance(v, (int, float)) and not isinstance(
-            v, bool) and v > 0, "a positive number (a device's dense TFLOP/s)"),
+        **dict.fromkeys(("ckpt_interval", "peak_tflops"), (ValueError, lambda v: isinstance(
+            v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")),
         "hooks": (TypeError, lambda v: isinstance(v, (list, tuple)) and all(map(callable, v)),
                   "a list of functions hook(event, run)"),
         "hparams": (TypeError, lambda v: isinstance(v, dict), "a dict of name -> value"),
@@ -362,18 +343,13 @@ class Options:
 
 def fit(state, train_ds, test_ds=None, **options):
     """Trains `state` (a TrainState, or an nnx model with `optimizer=`) on `train_ds`, evaluating on
-    `test_ds` (one set, or `{name: set}`, every set at every eval); `options`: those of `Options`.
-    Returns `(state, history)`: a trained copy of the state (the caller's stays usable), or the nnx
-    model updated in place; and a `History`. A second call with the same functions, optimizer
-    object, batch shapes and placement compiles nothing (an nnx model compiles anew), so a global
-    that your functions read keeps the value it had when they were traced (see `_cached`). A resume
-    goes on from the run's latest checkpoint with the state, the position in the data, the history,
-    the best and the hooks' state, as an uninterrupted run would; a finished run returns at once. A
-    run that `max_steps` cut mid-epoch has a history row and an eval there; resumed, the epoch's row
-    at its end holds the whole epoch's means. A hook's stop (`run.stop`) is final: fit called again
-    returns the first call's state, unless `num_epochs` or `max_steps` grew; a signal's stop is not
-    (`_Signals`). A run killed outright resumes from its last checkpoint; `_Checkpoints` says when
-    they are written."""
+    `test_ds` (one set, or `{name: set}`); `options`: those of `Options`. Returns `(state,
+    history)`: a trained copy of the state (the caller's stays usable), or the nnx model updated in
+    place; and a `History`. A second call with the same functions, optimizer, batch shapes and
+    placement compiles nothing, so a global your functions read keeps its value at their trace
+    (`_cached`). A resume goes on from the run's latest checkpoint exactly as an uninterrupted run
+    would; a finished run returns at once. A hook's stop (`run.stop`) is final unless `num_epochs`
+    or `max_steps` grew; a signal's is not (`_Signals`). docs/reference.md has the long form."""
     # 1. Check everything that can be checked before touching the disk or compiling.
     opts = Options.of(options)
     _check_state(state, opts)
@@ -389,11 +365,9 @@ def fit(state, train_ds, test_ds=None, **options):
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
     config = _StepConfig.of(opts, forward, eval_step, mesh, linen=linen)
     steps = _build_steps(state, train, tests, config, mesh)
-    averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's, inside)
-    plan = _Plan(opts, train, tests, steps.train_names, steps.eval_names, averaged=averaged)
+    plan = _Plan(opts, train, tests, steps, state)
     verbose = _verbosity(opts.verbose)
-    _check_one_shot(train, tests, opts, plan.total)
-    _check_schedule(state, opts, plan.total)
+    _check_plan(state, opts, train, tests, plan.total)
 
     # 4. Open the run: claim it, restore its checkpoint if it goes on, set up the hooks.
     batching = (train.batch_size * jax.process_count(), plan.steps_per_epoch)
@@ -464,15 +438,12 @@ def fit(state, train_ds, test_ds=None, **options):
 # -- The rest of the public API: restoring, evaluating, the history ----------------------------
 
 def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *, ema=False):
-    """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`).
-    `step`: a step number, `"last"`/`None` or `"best"` (the best the latest checkpoint knows).
-    `state` gives the structure, shapes and shardings (build it as for training), not values. An
-    nnx model (with its `optimizer=`) is restored in place. `weights_only=True`: only `params` and
-    `batch_stats`, into a state with another optimizer (to fine-tune) or none; the rest of `state`
-    stays as it is. `ema=True`: the params are the run's `ema` average at that step (for "best",
-    the average of the best step, whichever metric chose it), for inference or fine-tuning;
-    without `weights_only`, `state`'s optimizer must be the run's. Checkpoints are plain orbax
-    ones, with items `state` and `meta` (JSON)."""
+    """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`) at
+    `step`: a number, `"last"`/`None` or `"best"`. `state` gives the structure, shapes and
+    shardings, not values; an nnx model (with its `optimizer=`) is restored in place.
+    `weights_only=True`: only `params` and `batch_stats`, into a state with another optimizer or
+    none. `ema=True`: the params are the run's `ema` average at that step. Checkpoints are plain
+    orbax ones, with items `state` and `meta` (JSON)."""
     if _is_nnx(state):
         who = "load_ckpt" if optimizer or not weights_only else "evaluate"  # (no optimizer)
         adapted, _, _, finish, _ = _adapt(state, Options(optimizer=optimizer), who)
@@ -503,8 +474,7 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
             raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
                              f"{sorted(steps)}: pass one of those, 'last' or 'best'.")
         sharding = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
-        replicated = _replicated(_default_mesh())
-        placed = _place_state(state, 0, replicated)
+        placed = _place_state(state, 0, _replicated(_default_mesh()))
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
         restored = _restore(mgr, step, placed, "load_ckpt", weights_only=weights_only,
@@ -517,13 +487,10 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
 
 
 def evaluate(state, ds, eval_step=None, **options):
-    """The metrics of `state` (a TrainState, or an nnx model) over all of `ds`, `{name: value}`:
-    the same exact, sharded, weighted eval that `fit` runs, e.g. `evaluate(state, (x, y),
-    eval_step, batch_size=256)`; `ds` a dict of named sets (as `fit`'s `test_ds`): `{set: {name:
-    value}}`. `options`: those of `fit` about the data and the placement (`batch_size`,
-    `batch_keys`, `eval_steps`, `mesh`, `state_sharding`); without `eval_step`, `loss_fn` or
-    `nnx_loss_fn` gives the loss. The optimizer state is not read, and a second call with the same
-    functions and kinds of batches compiles nothing (an nnx model compiles anew)."""
+    """The metrics of `state` (a TrainState, or an nnx model) over all of `ds`, `{name: value}`
+    (a dict of named sets: `{set: {name: value}}`): fit's exact, sharded, weighted eval, e.g.
+    `evaluate(state, (x, y), eval_step, batch_size=256)`. `options`: fit's about the data and the
+    placement; without `eval_step`, `loss_fn` or `nnx_loss_fn` gives the loss."""
     opts = Options.of({**options, "eval_step": eval_step})
     state, forward, eval_step, _, linen = _adapt(state, opts, "evaluate")
     lean = lambda s: s.replace(opt_state=None) if hasattr(s, "opt_state") else s
@@ -531,8 +498,7 @@ def evaluate(state, ds, eval_step=None, **options):
         opts = dataclasses.replace(opts, state_sharding=lean(opts.state_sharding))
     mesh, state = _mesh(opts, state), lean(state)
     if ds is None:
-        raise ValueError("evaluate: ds is None; pass the data to evaluate (any form of fit's "
-                         "test_ds).")
+        raise ValueError("evaluate: ds is None; pass the data (any form of fit's test_ds).")
     tests = _eval_sets(ds, "ds", opts)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     config = _StepConfig.of(opts, forward, eval_step, mesh, linen=linen)
@@ -544,16 +510,9 @@ def evaluate(state, ds, eval_step=None, **options):
 class History(dict):
     """`fit`'s history of the whole run, resumes too: lists of `epoch`, `step`, `train/<metric>`
     (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` (and `eval_ema/...`) per eval,
-    and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`:
-    `compile_s`, `eval_s`, `save_s`, `finish_s` (the last save's commit), `close_s` (hooks'
-    train_end, closing files), `data_s` (fetching batches), `hooks_s` (your hooks'; and
-    `<name>_s` of `run.timed(name)`), their `*_count` (not data's), `steps`,
-    `steady_steps_per_s` (without compiles, evals, saves, your hooks, the commit and the
-    closing), `wall_s`,
-    and the run's means of the `perf/` speeds (`_Meter.speed`): `examples_per_s`, `tokens_per_s`,
-    `tflops_per_s`, `mfu`, `memory_gb`, where known; and XLA's estimate of the compiled train
-    step's memory per device, `step_argument_bytes`, `step_output_bytes`, `step_temp_bytes`
-    (the largest of the batch shapes')."""
+    and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`
+    (`_Meter.timing`: seconds apart from the steady rate, e.g. `compile_s`, `eval_s`, `hooks_s`,
+    `steady_steps_per_s`, the `perf/` speeds, XLA's memory estimate of the step)."""
     run = log_dir = ckpt_dir = timing = None
 
 
@@ -684,22 +643,18 @@ class TensorBoard:
 
     def __call__(self, event, run):
         if event == "train_start":
-            # Purge the points from here on: a resume logs them again (0: a crashed try's too).
-            purge = run.step + 1 if run.step else 0
+            purge = run.step + 1 if run.step else 0  # (a resume logs those steps again)
             run.writer = self.writer = SummaryWriter(run.log_dir)
             self.flushed = time.monotonic()
-            # tensorboardX 2.6's flush() skips its writer thread's queue, so a killed run could
-            # lose logs that its resume skips: write events directly. No public call drains that
-            # queue (only close(), ending the writer): check this when tensorboardX passes 2.6.
+            # tensorboardX 2.6's flush() skips its writer thread's queue (only close() drains it),
+            # so a killed run could lose logs its resume skips: events are written directly, the
+            # purge records first (purge_step would queue them behind those).
             events = self.writer.file_writer.event_writer
             events.add_event = events._ev_writer.write_event
-            # The purge records (SummaryWriter's purge_step would queue them, behind what is
-            # written directly) come first: TensorBoard drops the points at or after them.
             events.add_event(Event(step=purge, file_version="brain.Event:2"))
             events.add_event(Event(step=purge, session_log=SessionLog(status=SessionLog.START)))
-            if run.step == 0:  # once per run, at its start, so a crashed run shows them too
-                # Only the session's start, not an experiment summary: with one per run,
-                # TensorBoard shows the first it finds and hides the other runs' columns.
+            if run.step == 0:  # once a run, so a crashed run shows them too; no experiment
+                # summary: with one per run, TensorBoard hides the other runs' columns
                 self.writer.file_writer.add_summary(hparams_summaries(self.hparams, {})[1])
         elif self.writer is None:
             return
@@ -711,8 +666,7 @@ class TensorBoard:
             tracked = "eval" if _is_eval(run.monitor) else "epoch_end"
             if event == tracked and run.best is not None:
                 self.writer.add_scalar(f"best/{run.monitor}", run.best, run.step)
-            # On disk before each checkpoint (a resume does not log those steps again), and every
-            # 10 s for a live view: an fsync at every log point cost a tiny model ~8% of its speed.
+            # On disk before each checkpoint, and every 10 s: an fsync a log point cost ~8%.
             if event == "save" or time.monotonic() > self.flushed + 10:
                 self.writer.flush()
                 self.flushed = time.monotonic()
@@ -724,15 +678,6 @@ class TensorBoard:
 
 
 # -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables --
-
-def _adapt(state, opts, who="fit"):
-    """`(state, forward, eval_step, finish, linen)`: a TrainState as it is, called by
-    `_linen_forward`; an nnx model as a TrainState (`_nnx_adapter`), `finish` writing it back."""
-    if not _is_nnx(state):
-        return state, _linen_forward, opts.eval_step, lambda state: state, True
-    return *_nnx_adapter(state, opts.optimizer, who, nnx_loss_fn=opts.nnx_loss_fn,
-                         eval_step=opts.eval_step), False
-
 
 def _linen_forward(loss_fn, state, params, batch, rng, *, train):
     """A linen model's `(loss_fn(outputs, targets), new batch_stats)`; dropout draws from `rng`."""
@@ -747,12 +692,16 @@ def _linen_forward(loss_fn, state, params, batch, rng, *, train):
     return loss_fn(out, targets), stats
 
 
-# An nnx model and its optimizer as a TrainState of plain dicts (what hooks see): `params` is what
-# the optimizer trains (`wrt`), `batch_stats` every other variable (BatchNorm statistics, the
-# Rngs' state, so dropout resumes exactly). Each step merges them in plain `jax.jit` (nnx.jit
-# costs ~0.3 ms more a call); `finish(state)` writes the user's model and optimizer, in place.
-def _nnx_adapter(model, optimizer, who="fit", *, nnx_loss_fn=None, eval_step=None):
+def _adapt(model, opts, who="fit"):
+    """`(state, forward, eval_step, finish, linen)`: a TrainState as it is, called by
+    `_linen_forward`; an nnx model and its optimizer as a TrainState of plain dicts (what hooks
+    see): `params` what the optimizer trains (`wrt`), `batch_stats` every other variable
+    (BatchNorm statistics, the Rngs' state, so dropout resumes exactly), merged in each step in
+    plain `jax.jit` (nnx.jit costs ~0.3 ms more a call); `finish(state)` writes them back."""
+    if not _is_nnx(model):
+        return model, _linen_forward, opts.eval_step, lambda state: state, True
     from flax import nnx
+    optimizer, nnx_loss_fn, eval_step = opts.optimizer, opts.nnx_loss_fn, opts.eval_step
     if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only): no optimizer
         optimizer = types.SimpleNamespace(tx=None, opt_state=None, step=np.int32(0), wrt=nnx.Param)
     missing = [a for a in ("tx", "opt_state", "step", "wrt") if not hasattr(optimizer, a)]
@@ -800,7 +749,7 @@ def _nnx_adapter(model, optimizer, who="fit", *, nnx_loss_fn=None, eval_step=Non
             optimizer.step[...] = state.step
         return model
 
-    return state, forward, eval_step and eval_fn, finish
+    return state, forward, eval_step and eval_fn, finish, False
 
 
 def _call_nnx_loss(fn, model, batch, rngs):
@@ -818,9 +767,8 @@ def _call_nnx_loss(fn, model, batch, rngs):
 # -- Placement: the mesh, the state's shardings and its private copy, batches on the devices ---
 
 def _mesh(opts, state):
-    """`mesh=`; else the mesh that the state's arrays are already sharded over (they keep their
-    shardings); else the one set with `jax.set_mesh` around the call (code inside it must run on
-    that mesh); else every device along one 'data' axis."""
+    """`mesh=`; else the mesh the state's arrays are sharded over (they keep their shardings); else
+    the one set with `jax.set_mesh` around the call; else every device along one 'data' axis."""
     own = {x.sharding.mesh for x in jax.tree.leaves(state) if _split(x)}
     mesh = opts.mesh or _default_mesh()
     if opts.mesh is None and opts.state_sharding is None and len(own) == 1:
@@ -864,8 +812,7 @@ def _state_shardings(state, opts, mesh):
         return _ema_as_params(jax.tree.map(lambda x: x.sharding if _split(x) and
                                            x.sharding.mesh == mesh else _replicated(mesh),
                                            state))
-    state_sharding = opts.state_sharding
-    tree = state_sharding(state) if callable(state_sharding) else state_sharding
+    tree = opts.state_sharding(state) if callable(opts.state_sharding) else opts.state_sharding
     is_leaf = lambda x: x is None or isinstance(x, (P, jax.sharding.Sharding))
     to_sharding = lambda s: s if isinstance(s, jax.sharding.Sharding) else NamedSharding(
         mesh, s or P())
@@ -902,10 +849,9 @@ def _on_mesh(mesh, path, x, sharding):
 
 
 def _place_state(state, seed, sharding):
-    """A private, placed copy of the caller's state (the step donates its input), of its own
-    class, with strong dtypes (`TrainState.create` makes a weakly-typed step, orbax restores a
-    strong one), so a fresh and a restored state hit the same compilation. `sharding`: a
-    Sharding, or a function of the state completed here (fit's `rng` filled from `seed`)."""
+    """A private, placed copy of the caller's state (the step donates its input) with strong
+    dtypes (`TrainState.create` makes a weakly-typed step, orbax restores a strong one), so a fresh
+    and a restored state hit one compilation. `sharding`: a Sharding, or a function of the state."""
     if getattr(state, "rng", False) is None:  # (fit's TrainState: raw key data, for orbax)
         state = state.replace(rng=jax.random.key_data(jax.random.key(seed)))
     if getattr(state, "batch_stats", False) is None:
@@ -914,26 +860,21 @@ def _place_state(state, seed, sharding):
     state = jax.tree.map(lambda x: x if isinstance(x, jax.Array) and not getattr(
         x, "weak_type", False) else np.asarray(x), state)  # (typed keys have no weak_type)
     sharding = sharding(state) if callable(sharding) else sharding
-    # The transfer makes the copy (jnp copies compile an eager op per shape). Onto several devices
-    # it reuses the caller's buffer as one shard (jax 0.10), which donation would delete: copy it.
+    # The transfer makes the copy (jnp's compiles an op per shape); onto several devices it reuses
+    # the caller's buffer as one shard (jax 0.10), which donation would delete: copied then.
     placed = jax.device_put(state, sharding, may_alias=False)
-    # (addressable_data, not addressable_shards: a replicated array of a process with one
-    # device in a job of several lists shards that it cannot build, jax 0.10)
+    # (addressable_data: addressable_shards may list shards another process holds, jax 0.10)
     buffers = lambda x: {x.addressable_data(i).unsafe_buffer_pointer()
                          for i in range(len(x.sharding.addressable_devices))}
-    aliases = lambda p, x: isinstance(x, jax.Array) and (_is_key(x) or bool(buffers(p) &
-                                                                         buffers(x)))
+    aliases = lambda p, x: isinstance(x, jax.Array) and (_is_key(x) or buffers(p) & buffers(x))
     return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p, placed, state)
 
 
 def _putter(mesh, data_axis):
-    """`put(batch, stacked=False)`, which shards a batch (this process's rows) along its leading
-    axis over the mesh (`stacked`: each of k batches). A batch that does not split evenly (a small
-    last batch) goes whole to every device: exact, if redundant. Its shardings and the process
-    count are made here, once: per batch they cost ~1-5 us. A jax.Array moves device to device.
-    On one device numpy goes to the jitted step as it is: jit's C++ path places it faster than
-    device_put, whose arrays the step then waits for (an H100: ~180 us a tiny-MLP batch by jit,
-    ~375 by device_put and jit; fit's steps/s +10% on a tiny MLP and +9% on a transformer)."""
+    """`put(batch, stacked=False)`: a batch (this process's rows) sharded along its leading axis
+    (`stacked`: each of k batches'); one that does not split evenly (a small last batch) goes whole
+    to every device. Shardings are made here, once (~1-5 us a batch). On one device numpy goes to
+    the step as it is: jit's C++ path places it faster than device_put (H100: +10% steps/s)."""
     if mesh.size == 1 and jax.process_count() == 1:
         one = _replicated(mesh)
         numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
@@ -954,8 +895,7 @@ def _putter(mesh, data_axis):
     return put
 
 
-def _replicated(mesh):
-    return NamedSharding(mesh, P())
+_replicated = lambda mesh: NamedSharding(mesh, P())
 
 
 # -- Data: batches and their positions for a resume; steps_per_jit's groups; prefetch ----------
@@ -979,9 +919,8 @@ def _eval_sets(ds, who, opts):
     bad = [n for n in ds if not (isinstance(n, str) and re.fullmatch(r"[\w.-]+", n))]
     unknown = set(caps) - set(ds) if isinstance(caps, dict) else ()
     if bad or unknown:
-        raise ValueError(f"fit: {who}'s eval sets are named by non-empty strings of letters, "
-                         f"digits, '_', '-' or '.' (they name the metrics, eval/<name>/<metric>)"
-                         f", and eval_steps by those names; got "
+        raise ValueError(f"fit: {who}'s eval sets are named by strings of letters, digits, '_',"
+                         f" '-' or '.' (eval/<name>/<metric>), and eval_steps by those names; got "
                          f"{bad or sorted(map(str, unknown))}.")
     if not isinstance(caps, dict):
         caps = dict.fromkeys(ds, caps)
@@ -990,12 +929,9 @@ def _eval_sets(ds, who, opts):
 
 
 class _Data:
-    """A data argument as per-epoch iterators of `(batch, position)`, numpy arrays or jax.Arrays
-    (which stay on their devices); `position` (batches done this epoch, iterator state) is where a
-    checkpoint of that batch resumes, exactly for arrays `(x, y)` (shuffled from `(seed, epoch)`),
-    a re-iterable yielding the same batches at each `iter()` (read once per epoch), an iterator
-    with `get_state()`/`set_state()`, and a deterministic one-shot stream (`steps_per_epoch`
-    batches an epoch)."""
+    """A data argument as per-epoch iterators of `(batch, position)` (numpy arrays, or jax.Arrays
+    on their devices); `position` (batches done, iterator state) is where a checkpoint resumes,
+    exactly for arrays, re-iterables, grain-style iterators and deterministic one-shot streams."""
 
     def __init__(self, ds, name, opts, train, eval_steps=None):
         self.name, self.shuffle, self.seed = name, train, opts.seed
@@ -1025,8 +961,7 @@ class _Data:
         if batch_size is None:
             raise ValueError(f"fit: {self.name} is a pair of arrays (x, y); pass batch_size= so "
                              f"fit can batch them.")
-        # jax.Arrays stay on their devices, and their batches are gathered there: a step never
-        # waits for device data to go to the host and back.
+        # jax.Arrays stay on their devices: their batches are gathered there, not on the host.
         x, y = (a if isinstance(a, jax.Array) else np.asarray(a) for a in ds)
         self.x, self.y = x, y
         n = len(self.x)
@@ -1073,11 +1008,9 @@ class _Data:
                 f"{f' ({sizes} rows)' if sizes else ''} shaped {shapes}")
 
     def _convert(self, batch, index):
-        """A batch as arrays, checked: numpy arrays and jax.Arrays pass as they are (a jax.Array
-        stays on its device), anything else that np.asarray takes (a list, a torch tensor) becomes
-        numpy. It runs for every batch an iterable yields, so a batch like the first costs a
-        flatten and a comparison of dtype objects and ranks (`str(dtype)`: ~7 us a leaf in numpy
-        2, Python code). Arrays `(x, y)` are checked once, their batches made by fit."""
+        """A batch as arrays (numpy or jax.Array as they are, anything np.asarray takes as numpy),
+        checked against the first. Per batch of an iterable: a flatten and a comparison of dtype
+        objects and ranks (`str(dtype)` costs ~7 us a leaf)."""
         if isinstance(batch, dict) and (self.keys or not self.custom):
             if not self.keys or not set(self.keys) <= set(batch):
                 raise TypeError(f"fit: {self.name} yields dicts with keys {sorted(batch)}; name "
@@ -1194,9 +1127,8 @@ def _grouped(batches, k, step, max_steps=None, said=None):
             yield from ((b, p, 1) for b, p in group)  # its batches run as single steps
             if "groups" not in said:
                 warnings.warn(f"fit: steps_per_jit={k} stacks runs of {k} batches of one shape, "
-                              f"but the shapes changed within a run at step {step + len(group)}"
-                              f"; such batches run one step a call. Order the data so that each "
-                              f"shape comes {k} batches at a time, or pass steps_per_jit=1.")
+                              f"but the shapes changed within one at step {step + len(group)}, "
+                              f"whose batches run singly; order the data in runs of {k}.")
                 said.add("groups")
             step, group = step + len(group), []
         starts = step % k == 0 and not (max_steps and step + k > max_steps)
@@ -1220,9 +1152,8 @@ def _same_shapes(a, b):
 
 
 def _prefetch(batches, put, size=2):
-    """Readies the next `size` batches while the current step runs (on several devices, places
-    them: transfers are asynchronous). Yields `(batch, position, k, last)`: the look-ahead tells
-    the epoch's last."""
+    """Places the next `size` batches while the step runs (transfers are asynchronous); yields
+    `(batch, position, k, last)`: the look-ahead tells the epoch's last."""
     queue = collections.deque()
     for batch, position, k in batches:
         queue.append((put(batch, k > 1), position, k))
@@ -1236,10 +1167,9 @@ def _prefetch(batches, put, size=2):
 
 @dataclasses.dataclass(frozen=True)
 class _StepConfig:
-    """Exactly what traced code reads: the jitted steps are built from it and your functions, never
-    from `Options`, and cached by it, so an option a step comes to read cannot miss the key. The
-    options marked `_TRACED` come in `options` and read as attributes (`config.seed`): an option
-    that traced code comes to read needs its mark, nothing more. The rest is derived here."""
+    """Exactly what traced code reads, and the compile cache's key: steps are built from it and your
+    functions, never from `Options`. An option marked `_TRACED` comes in `options`, read as an
+    attribute (`config.seed`): an option that traced code comes to read needs its mark alone."""
     forward: Any          # how fit calls the model: _linen_forward (or your wrapper), nnx's own
     linen: bool           # a linen model (else nnx): its advice, and whether steps are kept
     loss_name: str        # "loss_fn" or "nnx_loss_fn", for messages
@@ -1266,11 +1196,9 @@ class _StepConfig:
                    platform in _NO_COND, shards, traced)
 
 
-# Where the norms are computed at every step (the accumulator keeps a log step's), not under a
-# lax.cond (#28): XLA's GPU runtime may copy a conditional's predicate to the host and block it
-# until the device is done, so every dispatch would wait. Measured on one H100 (jax 0.11.2) a cond
-# did not block the host, and the norms at every step cost 2-10% (benchmarks/README.md): the rule
-# is kept as the safe side, pending a decision. The CPU measured the cond faster.
+# Where the norms are computed at every step, not under a lax.cond (#28): a GPU runtime may block
+# the host on a conditional's predicate. On an H100 (jax 0.11.2) it did not, and the norms at
+# every step cost 2-10% (benchmarks/README.md): kept as the safe side, pending a decision.
 _NO_COND = ("gpu",)
 
 
@@ -1280,9 +1208,8 @@ _Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 ev
 
 
 def _build_steps(state, train, tests, config, mesh):
-    """The steps of an earlier call with the same `_StepConfig` (the functions and what traced
-    code reads), optimizer (in the state's treedef), placement and kinds of batches, so that
-    JAX's compile cache serves them (a notebook cell run again compiles nothing); else new ones.
+    """The steps of an earlier call with the same `_StepConfig`, optimizer (in the state's treedef),
+    placement and kinds of batches (a notebook cell run again compiles nothing), else new ones;
     `train=None`: the eval steps alone (`evaluate`)."""
     tests = tests or {}
     key = (config, mesh, train and _kinds(train.spec),
@@ -1303,10 +1230,9 @@ _STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (
 
 
 def _cached(key, reuse, build):
-    """`build()`, or what it made for an equal `key`, kept among the 8 last used if `reuse`. The
-    key holds your functions, not what they read: a global that a loss reads (a scale, a flag) is
-    traced into the steps at their first call and stays so in the steps kept here, as in any
-    jax.jit; pass such a value in the state or the batch, or call `_STEPS.clear()`."""
+    """`build()`, or what it made for an equal `key`, kept among the 8 last used if `reuse`. The key
+    holds your functions, not what they read: a global a loss reads stays as it was at the trace,
+    as in any jax.jit; pass such a value in the state or the batch, or call `_STEPS.clear()`."""
     try:
         hash(key)
     except TypeError:  # (a function or an optimizer that cannot be a key)
@@ -1323,10 +1249,9 @@ def _cached(key, reuse, build):
 
 
 def _new_steps(state, train, tests, config, mesh):
-    """Every jax.jit of the run, built once: the train step (alone, and scanned over `steps_per_jit`
-    stacked batches) and the eval step, each summing metrics on device. The user's step is traced
-    (eval_shape) for its metric names before any compile, and jitted alone, so that the real call
-    reuses that trace (a model's trace costs 0.1-0.2 s). No `train`: the eval steps alone."""
+    """Every jax.jit of the run: the train step (alone, and scanned over `steps_per_jit` stacked
+    batches) and the eval steps, each summing metrics on device. Your step is traced for its metric
+    names before any compile, jitted alone, so the real call reuses that trace (0.1-0.2 s)."""
     eval_fns, eval_names = _eval_steps(state, tests, config, mesh)
     if train is None:
         return _Steps(eval=eval_fns, eval_names=eval_names)
@@ -1345,11 +1270,8 @@ def _new_steps(state, train, tests, config, mesh):
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
     # The lr a step used, from the state after it: lr_fn(step), or inject_hyperparams' value.
-    lr_of = lambda s: _lr_in(s.opt_state)
-    if config.lr_fn is not None:
-        lr_of = lambda s, lr_fn=config.lr_fn: lr_fn(s.step - 1)
-    elif lr_of(state) is None:
-        lr_of = None
+    lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn else (lambda s: _lr_in(
+        s.opt_state)) if _lr_in(state.opt_state) is not None else None
     one = functools.partial(_train_and_accumulate, _Train(step_fn, tuple(names), lr_of, config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
@@ -1408,10 +1330,9 @@ def _eval_step(state, test, config, mesh):
 
 
 def _under(mesh, fn):
-    """`fn` traced under a mesh of Explicit axes, as your own step under `jax.set_mesh(mesh)` would
-    be, for a model that names its axes (`out_sharding=P("data", None)`): entered at trace time,
-    not at each call (set_mesh costs ~30 us) nor around hooks. Not for Auto axes: there Flax's
-    partitioning annotations stay no-ops (a model annotated for a "model" axis trains data-only)."""
+    """`fn` traced under a mesh of Explicit axes, as your own step under `jax.set_mesh(mesh)`, for a
+    model that names its axes: at trace time, not each call (~30 us). Not for Auto axes, where
+    Flax's partitioning annotations stay no-ops."""
     if jax.sharding.AxisType.Explicit not in mesh.axis_types:
         return fn
 
@@ -1422,10 +1343,8 @@ def _under(mesh, fn):
 
 
 def _default_train_step(config):
-    """The one gradient step of linen and nnx models: a train-mode forward pass's loss, gradients,
-    an update; with `axis_name`, per device (shard_map), averaging gradients and metrics as pmap.
-    A `Weighted` loss descends total / weight: the gradient of the total (averaged over devices)
-    over the weight (too); `grad_accum` sums microbatches first (_accumulate)."""
+    """The gradient step of linen and nnx models; with `axis_name`, per device (shard_map),
+    averaging as pmap. A `Weighted` loss descends total / weight; `grad_accum`: `_accumulate`."""
     axis = config.axis_name
 
     def train_step(state, batch):
@@ -1460,10 +1379,9 @@ def _default_train_step(config):
 
 
 def _accumulate(loss_of, params, stats, batch, rng, *, config):
-    """`(grads, loss, metrics, stats)` of a batch as `grad_accum` microbatches in a rolled scan
-    (the j-th slice of each device's rows: no data moves between devices): the gradients of the
-    losses' totals (a mean loss: mean x rows) and the weights summed, divided once; metrics as
-    totals and weights (a Weighted stays one); the stats carried from one microbatch to the next."""
+    """`(grads, loss, metrics, stats)` of a batch as `grad_accum` microbatches in a rolled scan (the
+    j-th slice of each device's rows): the gradients of the losses' totals (a mean loss: mean x
+    rows) and the weights summed, divided once; the stats carried from one to the next."""
     rows = jax.tree.leaves(batch)[0].shape[0]
     d = config.shards if rows % config.shards == 0 else 1  # (a batch placed whole on each device)
     k = max(j for j in range(1, config.grad_accum + 1) if rows % (d * j) == 0)
@@ -1519,8 +1437,7 @@ def _takes_three(fn):
 
 def _split_loss(out, who):
     """`(loss, metrics)` of a loss, or of a loss and a dict of metrics; an aux that is an array of
-    logits (the NNX tutorial's loss_fn returns them, for metrics made elsewhere) is left out. A
-    loss may be `Weighted(total, weight)`: its value is total / weight, summed exactly."""
+    logits (the NNX tutorial's loss_fn returns them) is left out."""
     loss, metrics = out if isinstance(out, tuple) and not isinstance(out, Weighted) else (out, {})
     if isinstance(loss, Weighted):
         loss = Weighted(jnp.asarray(loss.total), jnp.asarray(loss.weight))
@@ -1559,9 +1476,8 @@ _Train = collections.namedtuple("_Train", "step_fn names lr_of config")  # one t
 
 
 def _train_and_accumulate(train, state, acc, batch):
-    """One train step plus the on-device bookkeeping (metric sums since the last log point, the
-    non-finite steps, the lr, a log step's norms) as two arrays, floats and counts: on XLA's CPU
-    backend every small op, input and output costs microseconds a step, which a tiny model feels."""
+    """One train step plus the on-device bookkeeping (metric sums, non-finite steps, the lr, a log
+    step's norms) in two arrays: on XLA's CPU every small op and output costs microseconds."""
     names, config = train.names, train.config
     new_state, metrics = train.step_fn(state, batch)
     _warn_dtypes(new_state, state)
@@ -1611,9 +1527,8 @@ def _at_log(state, config):
 
 
 def _log_norm(state, config, tree):
-    """The norm of `tree` at log steps, else 0 (any value at other steps, where the norms are
-    computed every step): a pass over every parameter and gradient each step cost a tiny MLP
-    3-10% of its speed on a CPU, for values that only log points show."""
+    """The norm of `tree` at log steps, else 0 (or computed anyway): a pass over every parameter
+    and gradient each step cost a tiny MLP 3-10% of its speed on a CPU."""
     norm = lambda tree: jnp.asarray(optax.tree.norm(tree), jnp.float32)
     if config.norms_every_step:
         return norm(tree)
@@ -1633,7 +1548,7 @@ def _totals_and_weights(metrics, rows):
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
 
-    def __init__(self, opts, train, tests, train_names, eval_names, *, averaged=False):
+    def __init__(self, opts, train, tests, steps, state):
         self.num_epochs, self.max_steps = opts.num_epochs, opts.max_steps
         self.steps_per_epoch = opts.steps_per_epoch or train.length
         planned = self.steps_per_epoch and self.steps_per_epoch * opts.num_epochs
@@ -1641,9 +1556,10 @@ class _Plan:
         self.every = {"log": opts.log_every, "ckpt": opts.ckpt_every,
                       "eval": opts.eval_every if tests else None}
         self.eval_freq, self.has_test = opts.eval_freq, bool(tests)
+        averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's)
         self.ema = averaged and opts.ema_eval and bool(tests)  # evals of the average too
-        self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, train_names, eval_names,
-                                                self.ema)
+        self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, steps.train_names,
+                                                steps.eval_names, self.ema)
 
     def due(self, name, step, k=1):
         """Whether the steps (step - k, step] include a multiple of that period."""
@@ -1652,8 +1568,7 @@ class _Plan:
 
     def next_due(self, step, now=False):
         """The first step after `step` at which a log, an eval or a save falls due, or max_steps
-        ends the run (an epoch's end the loop knows): no step before it needs more than its call.
-        `now`: the next (a log point's read pending; a stop or save that a save's hooks asked)."""
+        ends the run: no step before it needs more than its call. `now`: the next one."""
         return step + 1 if now else min(
             [(step // every + 1) * every for every in self.every.values() if every]
             + [self.max_steps or math.inf])
@@ -1737,10 +1652,9 @@ class _Progress:
                 f" (arrays (x, y): batch_size={n // processes}"
                 f"{f' in each of the {processes} processes' if processes > 1 else ''})")
             raise ValueError(f"fit: run {run} was trained with a global batch size of {n} and "
-                             f"{self.batching[1]} batches per epoch; this call feeds "
-                             f"{batching[0]} and {batching[1]}, so it would not go on where the "
-                             f"run stopped. Resume it with its own batch size{option} and data, "
-                             f"or start a fresh run (resume=False).")
+                             f"{self.batching[1]} batches per epoch, this call feeds {batching[0]}"
+                             f" and {batching[1]}: resume it with its own batch size{option} and "
+                             f"data, or start a fresh run (resume=False).")
 
     def go_on(self, saved):
         """This call's progress from a checkpoint's (`saved`), keeping this call's target, seed and
@@ -1801,17 +1715,15 @@ class _Best:
         policy = policies.AnyPreservationPolicy([policies.LatestN(1), policies.BestN(
             get_metric_fn=metric, reverse=self.mode == "min", n=self.max_to_keep,
             keep_checkpoints_without_metrics=False)])
-        # best_fn too: orbax 0.12 writes a step's metrics to disk (read back on resume) only with
-        # it; without, BestN took earlier runs' best for a metric-less save and deleted it.
+        # best_fn too: orbax 0.12 keeps a step's metrics on disk (for a resume) only with it.
         return dict(preservation_policy=policy, best_fn=metric, best_mode=self.mode)
 
 
 class _Checkpoints:
-    """The run's claim (a fresh run's checkpoint directory and `fit.lock`, made at the start) and
-    directories, its orbax manager, restore, and saves: at the first log point `ckpt_interval` s
-    after the last, every `ckpt_every` steps, after an eval that enters the kept best, when a hook
-    asks, on every stop and at the end. A failed save raises one `OSError` naming the step, the
-    cause and the last good checkpoint, which stays intact."""
+    """The run's claim and directories, its orbax manager, restore, and saves: at the first log
+    point `ckpt_interval` s after the last, every `ckpt_every` steps, after an eval that enters the
+    kept best, when a hook asks, on every stop and at the end. A failed save raises one `OSError`
+    naming the step, the cause and the last good checkpoint, which stays intact."""
 
     def __init__(self, opts, best, progress, claim=True):
         workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
@@ -1855,23 +1767,16 @@ class _Checkpoints:
             self.mgr = _open(self.ckpt_dir, ocp.CheckpointManagerOptions(
                 cleanup_tmp_directories=True, **self.best.manager_options()))
 
-    def overdue(self):
-        """Whether `ckpt_interval` has passed since the last save."""
-        return time.monotonic() - self.last_time >= self.interval
-
     def raise_failed(self):
-        """A failed asynchronous save's error, once it has ended (orbax is asked only while a save
-        is in flight: each ask costs ~50 us). One process alone: orbax's wait may be a collective,
-        and processes need not agree on whether a save is still in progress; there, errors come
-        at the next save."""
+        """A failed asynchronous save's error, once it has ended (asked only while one is in
+        flight: ~50 us). One process alone: orbax's wait may be a collective; with several,
+        errors come at the next save."""
         if self.writing and self.processes == 1 and not self.mgr.is_saving_in_progress():
             self.wait()  # returns at once; raises a finished save's error
 
     def count_call(self):
-        """A loop call counted for JAX's preemption notifier: "preemption" when it picked this
-        call for every process to stop at. It counts calls, not steps: with steps_per_jit the step
-        jumps over the one it picks. At every call with several processes (it expects that); one
-        process has no notifier."""
+        """A loop call counted for JAX's preemption notifier, which expects every call (calls, not
+        steps): "preemption" when it picked this one for all processes to stop at."""
         if self.processes == 1:
             return None
         self.calls += 1
@@ -1966,9 +1871,8 @@ def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
         raise ValueError(f"{who}: ema=True, but the checkpoint at step {step} in {mgr.directory} "
                          f"holds no fit.ema average: its run's optimizer was not wrapped in "
                          f"fit.ema(tx). Load it without ema=True.")
-    # Weights only: each of the state's weights comes from the checkpoint's leaf of that name;
-    # with `ema` the params from the average's; an nnx model's variable filed in the other group
-    # (the optimizer's `wrt` decides which) by its path inside the model.
+    # Weights only: each weight from the checkpoint's leaf of its name (`ema`: the average's); an
+    # nnx variable filed in the other group (`wrt` decides) by its path inside the model.
     source = {k: k for k in wanted}
     if weights_only and ema:
         average = averages.pop()
@@ -1994,9 +1898,8 @@ def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
 
 
 def _restore_weights(mgr, step, state, metadata, *, source, who):
-    """`state` with its `params` and `batch_stats` from the checkpoint's leaves named in `source`,
-    placed as the state's; the rest of the checkpoint (orbax restores no part alone) goes to host
-    memory (JAX's CPU device, beside any accelerator)."""
+    """`state` with its `params` and `batch_stats` from the checkpoint's leaves named in `source`;
+    the rest (orbax restores no part alone) goes to host memory."""
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           _key_data(state))
     groups = [k for k in ("params", "batch_stats") if hasattr(target, k)]
@@ -2032,16 +1935,12 @@ def _key_data(tree):
 
 class _Run:
     """What a hook sees: `event` (`train_start`, `log`, `epoch_end`, `eval`, `save` before a
-    checkpoint, `train_end`), `step`, `epoch`, `state` (valid during the call only: the next step
-    donates it), `metrics` (the interval's or epoch's train means, or the eval's), `history`,
-    `name` (`mnist_3`), `id` (the name and a hash of the checkpoint directory: the same on every
-    resume, another in another workdir; e.g. for `wandb.init(id=run.id, resume="allow")`),
-    `monitor`, `mode`, `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`,
-    `stopped_early`, `interrupted`; it may set `stop` (final), `save`, and at train_end `state`
-    (at another event, assigning it raises); `with run.timed(name):` times a hook's own work. At
-    `log`, `step` is the log step whose interval `metrics` covers and `state` is one call later:
-    fit reads a log point's metrics after it dispatches the next step, so the host never waits for
-    the device; at other events `state` is that of `step`. `_Run` calls the hooks, keeps the
+    checkpoint, `train_end`), `step`, `epoch`, `state` (valid during the call only; at `log`, one
+    call after `step`, whose interval `metrics` covers), `metrics`, `history`, `name`, `id` (the
+    same on every resume, e.g. for `wandb.init(id=run.id, resume="allow")`), `monitor`, `mode`,
+    `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`, `stopped_early`,
+    `interrupted`; it may set `stop` (final), `save`, and at train_end `state` (elsewhere it
+    raises); `with run.timed(name):` times a hook's own work. `_Run` calls the hooks, keeps the
     history and hooks' `get_state()`, and makes processes agree on what hooks and signals ask."""
 
     def __init__(self, hooks, plan, ckpts, progress):
@@ -2084,13 +1983,7 @@ class _Run:
             if event == "train_start" and str(i) in self.hook_states and hasattr(hook, "set_state"):
                 hook.set_state(self.hook_states[str(i)])  # what it had at the checkpoint
         if jax.process_count() > 1 and event != "train_end":  # (a collective all reach)
-            # Every process saves the same: a hook's stop (final) outranks a signal's (resumable).
-            kind = 0 if not self.stopping else 1 if self.stopping in _SIGNALS else 2
-            flags = np.array([kind, self.save], np.int32)
-            most, save = multihost_utils.process_allgather(flags).max(0)
-            self.save = bool(save)
-            if most > kind:
-                self.stopping = "SIGINT" if most == 1 else "a hook on another process"
+            _agree_on_stops(self)
         return self.state
 
     def timed(self, name):
@@ -2104,12 +1997,6 @@ class _Run:
     def record(self, row, *items):
         for name, value in [*items, *row.items()]:
             self.history.setdefault(name, []).append(value)
-
-    def evaluate(self, state, step, epoch, metrics):
-        self.last_eval = step
-        self.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
-        self.save = self.best_of.track(metrics, step) or self.save
-        self.call("eval", state, step, epoch, metrics=metrics)
 
     def end(self, state, step, epoch):
         """The train_end hooks; EarlyStopping may swap in the best state here. A run that was
@@ -2136,8 +2023,7 @@ _AHEAD = 2  # calls the host may dispatch before the device has finished them
 _LAG = 1  # calls after a log point that its sums are read (the read waits for them if need be)
 
 
-# Dense bf16 peak TFLOP/s per chip (no sparsity), from the vendors' data sheets, for perf/mfu:
-# the first entry whose text is in a device's `device_kind` (`peak_tflops=` for any other).
+# Dense bf16 peak TFLOP/s per chip (data sheets, no sparsity) for perf/mfu, by `device_kind`.
 _PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
                 ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0),
                 ("L4", 121.0), ("TPU v6 lite", 918.0),
@@ -2157,9 +2043,8 @@ class _Meter:
     and checkpointed (`sums`), so a resumed run logs what an uninterrupted one would."""
 
     def __init__(self, steps, opts, sums, step):
-        self.steps, self.names, self.acc0, self.acc = steps, steps.acc_names, steps.acc0, steps.acc0
-        self.skipping, self.lr_known = opts.on_nonfinite == "skip", steps.lr_known
-        self.norm_names, self.norms, self.param_norm = steps.train_names, {}, steps.param_norm
+        self.steps, self.names, self.acc = steps, steps.acc_names, steps.acc0
+        self.skipping, self.norms = opts.on_nonfinite == "skip", {}
         # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
         self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
         self.pending, self.calls = collections.deque(), 0  # log points to read, calls made
@@ -2182,9 +2067,8 @@ class _Meter:
         self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
 
     def dispatch(self, state, batch, k, *, epoch=0, position=(0, None)):
-        """Dispatches step n (or k steps); only a new batch shape waits, to time its compile. A
-        new shape that fails to trace (a model built for the first) is named, with `epoch` and
-        the batch's `position` in it."""
+        """Dispatches step n (or k steps); only a new batch shape waits, to time its compile. A new
+        shape that fails is named, with where it is (`epoch`, `position`)."""
         self.spent["data"][0] += time.perf_counter() - self.t_ready
         shape = (k, *(a.shape for a in jax.tree.leaves(batch)))
         if shape != self.shape:  # (length buckets: a new shape)
@@ -2201,16 +2085,16 @@ class _Meter:
                     # Compiled ahead, to read XLA's estimates; the call below reuses the executable.
                     cost = self._analyse(train.lower(state, self.acc, batch).compile(), shape)
                     state, self.acc = jax.block_until_ready(train(state, self.acc, batch))
-                    self.param_norm(state)  # (the check before saves compiles here, not at a save)
+                    self.steps.param_norm(state)  # (the check before saves compiles here)
             except Exception as e:
                 if not self.compiled:  # (the first batch: the trace's own checks explain it)
                     raise
                 first = next(iter(self.compiled))
                 raise ValueError(f"fit: the train step failed on the batch of shapes {shape[1:]}"
                                  f" (epoch {epoch + 1}, batch {position[0] - k}), which differ "
-                                 f"from the first"
-                                 f" batch's {first[1:]}: does the model take inputs of that shape? "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0][:300]})") from e
+                                 f"from the first batch's {first[1:]}: does the model take inputs "
+                                 f"of that shape? ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:300]})") from e
             self.compiled[shape] = cost  # (a dict: the first shape comes first)
             if len(self.compiled) == _MANY_SHAPES:
                 warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, "
@@ -2237,11 +2121,10 @@ class _Meter:
                    for part in ("argument", "output", "temp")}
             if not self.estimate:
                 total = sum(new.values()) - memory.alias_size_in_bytes  # (the donated state)
-                _say(self.verbose, f"fit: the compiled train step needs about "
-                                   f"{_megabytes(total)} per device (arguments "
-                                   f"{_megabytes(new['step_argument_bytes'])}, outputs "
-                                   f"{_megabytes(new['step_output_bytes'])}, temporaries "
-                                   f"{_megabytes(new['step_temp_bytes'])}: XLA's estimate).")
+                parts = ", ".join(f"{name} {_megabytes(n)}" for name, n in zip(
+                    ("arguments", "outputs", "temporaries"), new.values()))
+                _say(self.verbose, f"fit: the compiled train step needs about {_megabytes(total)}"
+                                   f" per device ({parts}: XLA's estimate).")
             self.estimate = {key: max(v, self.estimate.get(key, 0)) for key, v in new.items()}
         return rows, flops
 
@@ -2255,7 +2138,7 @@ class _Meter:
         if log_due or sync:
             if jax.process_count() > 1:
                 self._agree_shapes(step)
-            this, self.acc = (self.acc, step, log_due, self.calls), self.acc0
+            this, self.acc = (self.acc, step, log_due, self.calls), self.steps.acc0
             if sync:
                 ready.append(this)
             else:
@@ -2269,8 +2152,7 @@ class _Meter:
     def _agree_shapes(self, step):
         """Every process fed batches of the same shapes since the last log point (_check_data)."""
         fed = "; ".join(f"step {s + 1}: {shape[1:]}" for s, shape in self.changes)
-        _agree(fed or "no new shape", f"the processes fed batches of different shapes by step "
-                                      f"{step}")
+        _agree(fed or "no new shape", f"the processes fed different batch shapes by step {step}")
         self.changes = []
 
     def _add(self, acc, step):
@@ -2284,7 +2166,7 @@ class _Meter:
                             f"step {step})")
         if is_set:
             self.norms = {f"train/{k}": v for k, v in zip(_NORMS, (grad_norm, param_norm))
-                          if k in self.norm_names}
+                          if k in self.steps.train_names}
             self.check(step, param_norm if math.isfinite(grad_norm) else grad_norm)
         values = {k: [float(t), float(w)] for k, t, w in zip(self.names, totals, weights)}
         self.summed += n
@@ -2294,7 +2176,7 @@ class _Meter:
             part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
                        for k, v in values.items()}
         self.sums["skipped"] += n_bad
-        self.lr = float(lr) if self.lr_known else None
+        self.lr = float(lr) if self.steps.lr_known else None
 
     def _interval(self, step):
         """The means of the interval that ends at `step`, with the learning rate and speed."""
@@ -2318,7 +2200,7 @@ class _Meter:
     def check(self, step, norm, state=None):
         """A non-finite parameters' `norm` (of `state`, before a save) raises: no NaN is saved."""
         if state is not None:
-            norm = float(self.param_norm(state))
+            norm = float(self.steps.param_norm(state))
         if not (math.isfinite(norm) or self.skipping):
             self._nonfinite(f"parameters or gradients (NaN or Inf) at step {step}, in the log "
                             f"interval after step {self.logged}")
@@ -2372,11 +2254,9 @@ class _Meter:
         return steps / seconds if steps > 0 and seconds > 0 else None
 
     def speed(self, step):
-        """Since the start of this call, over the steady time (as steps/s): `examples_per_s`,
-        the rows of the steady calls (leading dims, all processes); `tokens_per_s` for a
-        `Weighted` loss: its weights' mean per step (the steps read so far) x steps/s;
-        `tflops_per_s` per device; `mfu`, that over the device's dense bf16 peak (an fp32 model's
-        is low by design); `memory_gb`, the most a local device has held (not on CPU)."""
+        """Over the steady time of this call: `examples_per_s` (all processes' rows);
+        `tokens_per_s` (a `Weighted` loss: its mean weight a step x steps/s); `tflops_per_s` per
+        device; `mfu` (over the dense bf16 peak); `memory_gb` (a device's peak; not on CPU)."""
         seconds, rate = self.steady_seconds(), self.steady_rate(step)
         out = {"examples_per_s": self.rows / seconds} if rate else {}
         if rate and self.weighted and self.summed:
@@ -2419,11 +2299,10 @@ class _Loop:
             self.run.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
 
     def poll(self):
-        """`(save, stop)`: whether `ckpt_interval` has passed, and a signal to one of several
-        processes (decided together at the next call); a failed asynchronous save raises here.
-        At log points only: orbax's calls cost host time that a tiny model's steps feel."""
+        """`(save, stop)`: whether `ckpt_interval` has passed, a signal to one of several processes;
+        a failed asynchronous save raises here. At log points only: orbax's asks cost host time."""
         self.ckpts.raise_failed()
-        return self.ckpts.overdue(), self.signals.asked
+        return time.monotonic() - self.ckpts.last_time >= self.ckpts.interval, self.signals.asked
 
     def evaluate(self, state, step, epoch):
         """An eval of every set: `eval/<metric>`, or `eval/<set>/<metric>` for named sets; with
@@ -2434,7 +2313,10 @@ class _Loop:
         metrics = {_metric_tag(part, name, k): v for part, of in states.items()
                    for name, test in self.tests.items()
                    for k, v in _evaluate(self.meter.steps, test, of, name, self.meter).items()}
-        self.run.evaluate(state, step, epoch, metrics)
+        run, run.last_eval = self.run, step
+        run.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
+        run.save = run.best_of.track(metrics, step) or run.save
+        run.call("eval", state, step, epoch, metrics=metrics)
 
     def end_epoch(self, state, step, epoch, *, complete):
         """An epoch's end: last log, history row, hooks, due eval (`complete=False`: max_steps
@@ -2530,9 +2412,8 @@ def _check_state(state, opts):
 
 
 def _check_data(train, tests, opts, mesh):
-    """The batching, and that every process feeds the same batches' count and shapes (its share
-    of each global batch): a mismatch would hang in a collective or silently train on mismatched
-    arrays. Every process compares the same table, once, and raises the same error."""
+    """The batching, and that every process feeds the same batches' count and shapes (else a
+    collective hangs): every process compares the same table, once, and raises the same error."""
     if opts.batch_size is not None and not any(d.arrays for d in (train, *tests.values())):
         raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data (x, y), but "
                          f"train_ds and test_ds yield their own batches; drop batch_size.")
@@ -2546,8 +2427,7 @@ def _check_data(train, tests, opts, mesh):
         raise ValueError(f"fit: grad_accum={k} splits each device's rows into {k} equal "
                          f"microbatches, but the train batch size ({n}) gives {d} device(s) "
                          f"{n // d} rows each; use a batch size divisible by devices x grad_accum "
-                         f"= {d * k}, e.g. {n + d * k - n % (d * k)}. (A smaller last batch runs "
-                         f"in fewer microbatches.)")
+                         f"= {d * k}, e.g. {n + d * k - n % (d * k)}.")
     if jax.process_count() > 1 and train.length is None and not (
             opts.steps_per_epoch or opts.max_steps):
         raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
@@ -2557,33 +2437,28 @@ def _check_data(train, tests, opts, mesh):
                "the processes' data disagree")
 
 
-def _check_one_shot(train, tests, opts, total):
-    """A one-shot iterator (a generator) that the run would read more than once."""
+def _check_plan(state, opts, train, tests, total):
+    """A one-shot iterator (a generator) that the run would read more than once; a learning rate
+    that reaches its final value before half the run and stays near 0 after, e.g. a schedule
+    built with the wrong steps_per_epoch (`len((x, y))` is 2): a warning."""
     if train.stream and opts.num_epochs > 1 and not opts.steps_per_epoch:
-        raise ValueError(f"fit: train_ds is a one-shot iterator (a generator), which can be read "
-                         f"only once, but num_epochs={opts.num_epochs}; pass a re-iterable (a "
-                         f"list, a loader, arrays (x, y) with batch_size=), steps_per_epoch= to "
-                         f"take that many batches from the stream each epoch, or max_steps= for "
-                         f"an endless stream.")
+        raise ValueError(f"fit: train_ds is a one-shot iterator (a generator), read only once, "
+                         f"but num_epochs={opts.num_epochs}; pass a re-iterable (a list, a loader,"
+                         f" arrays (x, y) with batch_size=), steps_per_epoch= to take that many "
+                         f"batches of the stream each epoch, or max_steps= for an endless one.")
     evals = (math.ceil(total / opts.eval_every) if total else 2) if opts.eval_every else \
         math.ceil(opts.num_epochs / opts.eval_freq)
     for test in tests.values():
         if test.stream and evals > 1:
-            raise ValueError(f"fit: {test.name} is a one-shot iterator (a generator), which can "
-                             f"be read only once, but this run evaluates about {evals} times; "
-                             f"pass a re-iterable (a list, a loader, arrays (x, y) with "
-                             f"batch_size=).")
-
-
-def _check_schedule(state, opts, total):
-    """Warns when the learning rate reaches its final value before half the run and stays near
-    0 after, e.g. a schedule built with the wrong steps_per_epoch (`len((x, y))` is 2)."""
+            raise ValueError(f"fit: {test.name} is a one-shot iterator (a generator), read only "
+                             f"once, but this run evaluates about {evals} times; pass a "
+                             f"re-iterable (a list, a loader, arrays (x, y) with batch_size=).")
     if jax.process_index() != 0 or not total or total < 4:
         return
     steps = np.linspace(0, total - 1, 65).astype(np.int32)
 
-    # An inject_hyperparams schedule's lr at `step` (an error if none). With no public call for it,
-    # optax.tree sets the count of the schedule's state (found by class name) and runs one update.
+    # An inject_hyperparams schedule's lr at `step`: with no public call for it, the count of the
+    # schedule's state (found by class name) is set, and one update run.
     def scheduled(step):
         s = state.tx.init({})
         wrapped = optax.tree.get(s, "WrappedScheduleState")
@@ -2603,6 +2478,16 @@ def _check_schedule(state, opts, total):
                       f"about step {end}, but this run trains {total} steps. Was it built for "
                       f"this run (e.g. lr_schedule(steps_per_epoch=...): array data gives "
                       f"ceil(len(x) / batch_size) steps per epoch)?", stacklevel=3)
+
+
+def _agree_on_stops(run):
+    """A stop or save that any process asks for (a hook, a signal) holds for all, so every process
+    saves the same; a hook's stop (final) outranks a signal's (resumable)."""
+    kind = 0 if not run.stopping else 1 if run.stopping in _SIGNALS else 2
+    most, save = multihost_utils.process_allgather(np.array([kind, run.save], np.int32)).max(0)
+    run.save = bool(save)
+    if most > kind:
+        run.stopping = "SIGINT" if most == 1 else "a hook on another process"
 
 
 def _agree(mine, what):
@@ -2683,16 +2568,15 @@ def _warn_dtypes(new, old):
         path, new_dtype, old_dtype = changed[0]
         warnings.warn(f"fit: the train step changes the dtype of {len(changed)} state leaves "
                       f"(e.g. {path}: {new_dtype}, where the state holds {old_dtype}); fit casts "
-                      f"them back, so each step starts from the state's dtypes. To train in "
-                      f"another dtype, build the state in it.")
+                      f"them back. To train in another dtype, build the state in it.")
 
 
 # -- The run's claim and lock ------------------------------------------------------------------
 
 def _claim_run(workdir, log_name, resume, claim=True):
-    """Picks the run and claims it: `(name, whether it has a checkpoint, the lock)`. Runs are
-    `<log_name>_<n>`: a fresh run takes the next free n, `resume=True` the highest,
-    `resume="<name>"` that one. Process 0 claims; the others get its answer or its refusal."""
+    """`(name, whether it has a checkpoint, the lock)` of the run picked: a fresh run the next free
+    `<log_name>_<n>`, `resume=True` the highest n, `resume="<name>"` that one. Process 0 claims;
+    the others get its answer or its refusal."""
     answer, lock = ["", False, None, ""], None
     if jax.process_index() == 0:
         try:
@@ -2762,9 +2646,8 @@ def _lock(run_dir):
         run = os.path.basename(run_dir)
         raise RuntimeError(f"fit: run {run} is being written by {holder}, which holds "
                            f"{os.path.join(run_dir, 'fit.lock')}; two writers would overwrite "
-                           f"each other's checkpoints. Wait for it to end, or train another run: "
-                           f"give each member of a sweep its own log_name (or resume=\"<run name>"
-                           f"\" to go on with one run each).") from None
+                           f"each other's checkpoints. Wait for it to end, or give each member "
+                           f"of a sweep its own log_name (or resume=\"<run name>\").") from None
     lock.truncate(0)
     lock.write(f"host {socket.gethostname()}, pid {os.getpid()}")
     lock.flush()
@@ -2782,10 +2665,9 @@ def _check_fits(stored, wanted, where):
                    for k in stored.keys() & wanted if stored[k] != wanted[k]])
     if problems:
         listed = "\n  ".join(sorted(problems)[:12]) + ("\n  ..." if len(problems) > 12 else "")
-        raise ValueError(f"{where} does not fit this state ({len(problems)} differences, another "
-                         f"model or optimizer?):\n  {listed}\nUse the model and optimizer of the "
-                         f"run that wrote it, or start a fresh run (resume=False or another "
-                         f"log_name).")
+        raise ValueError(f"{where} does not fit this state ({len(problems)} differences):\n  "
+                         f"{listed}\nUse the model and optimizer of the run that wrote it, or "
+                         f"start a fresh run (resume=False or another log_name).")
 
 
 @contextlib.contextmanager
@@ -2824,9 +2706,8 @@ def _cause(error):
 
 
 def _quiet(ckpt_dir=None):
-    """A log filter that hides orbax's reports of a failure fit raises clearly: its records (while
-    fit runs); with `ckpt_dir` (after a failed save, for good), any that name the directory: the
-    save's other writes end later (its closed loop's tasks, its threads) and report it again."""
+    """A log filter hiding orbax's reports of a failure fit raises clearly: its records (while fit
+    runs); with `ckpt_dir` (for good), those naming it, which a failed save's other writes send."""
     def quiet(record):
         text = record.pathname if not ckpt_dir else record.getMessage() + (
             "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
@@ -2840,13 +2721,11 @@ _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on fr
 
 
 class _Signals:
-    """Why the run must stop. Ctrl-C or SIGTERM stops after the step with a checkpoint, resumably
-    (the history's `stopped`); SIGTERM then exits 143, a second Ctrl-C aborts at once. After the
-    last step, SIGTERM still exits 143 and Ctrl-C raises `KeyboardInterrupt`, once the final
-    checkpoint is committed. Off the main thread fit cannot catch signals (it warns). No handler
-    for SIGTERM with several processes: JAX's preemption notifier owns it, orbax's
-    `reached_preemption` stops all at one step, and Ctrl-C goes to it; without the notifier,
-    Ctrl-C on one process stops all at the next log point."""
+    """Why the run must stop. Ctrl-C or SIGTERM stops after the step with a checkpoint, resumably;
+    SIGTERM then exits 143, a second Ctrl-C aborts at once; after the last step too, once the final
+    checkpoint is committed. Off the main thread fit cannot catch signals (it warns). With several
+    processes JAX's preemption notifier owns SIGTERM (one step for all) and takes Ctrl-C; without
+    it, Ctrl-C on one process stops all at the next log point."""
 
     def __init__(self):
         self.reason, self.asked, self.previous, self.forwarded = None, None, {}, False
