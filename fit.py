@@ -198,6 +198,7 @@ class Options:
     loss_fn: `(outputs, targets) -> loss or (loss, {name: scalar})`; see the module docstring.
     eval_step: `(state, batch) -> scalar` ("accuracy") or `{name: scalar}`; None: `loss_fn`'s loss.
     train_step: `(state, batch[, rng]) -> (state, metrics)`, replacing fit's step; TrainState only.
+        Metrics are logged as interval means, but `grad_norm` and `param_norm` as the log step's.
     optimizer: an nnx model's `nnx.Optimizer` (or an object with `tx`, `opt_state`, `step`, `wrt`).
     nnx_loss_fn: `(model, batch, rngs) -> loss or (loss, metrics)`, instead of `loss_fn`, for an
         nnx model called its own way; `rngs` is an `nnx.Rngs` of the step's key.
@@ -633,13 +634,8 @@ class TensorBoard:
         # TensorBoard takes numbers, strings, booleans: numpy scalars via JSON, the rest as text.
         self.hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                         for k, v in _jsonable(hparams).items()}
-        self.writer, self.tags = None, {}
-
-    def _tag(self, name):
-        """A metric's tag, cleaned as tensorboardX's add_scalar cleans it (once a name)."""
-        if name not in self.tags:
-            self.tags[name] = scalar_summary(name, 0.0).value[0].tag
-        return self.tags[name]
+        self.writer = None  # a metric's tag, cleaned as tensorboardX's add_scalar does, once:
+        self._tag = functools.lru_cache(lambda name: scalar_summary(name, 0.0).value[0].tag)
 
     def __call__(self, event, run):
         if event == "train_start":
@@ -1170,7 +1166,7 @@ class _StepConfig:
     """Exactly what traced code reads, and the compile cache's key: steps are built from it and your
     functions, never from `Options`. An option marked `_TRACED` comes in `options`, read as an
     attribute (`config.seed`): an option that traced code comes to read needs its mark alone."""
-    forward: Any          # how fit calls the model: _linen_forward (or your wrapper), nnx's own
+    forward: Any          # how fit calls the model: _linen_forward (edit it here), nnx's own
     linen: bool           # a linen model (else nnx): its advice, and whether steps are kept
     loss_name: str        # "loss_fn" or "nnx_loss_fn", for messages
     eval_step: Any        # (an nnx model's, adapted)
@@ -1191,15 +1187,18 @@ class _StepConfig:
         traced = tuple((f.name, getattr(opts, f.name)) for f in dataclasses.fields(opts)
                        if f.metadata.get("traced"))
         loss_name = "nnx_loss_fn" if opts.nnx_loss_fn else "loss_fn"
-        platform = mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
         return cls(forward, linen, loss_name, eval_step, opts.on_nonfinite == "skip",
-                   platform in _NO_COND, shards, traced)
+                   _platform(mesh) in _NO_COND, shards, traced)
 
 
 # Where the norms are computed at every step, not under a lax.cond (#28): a GPU runtime may block
 # the host on a conditional's predicate. On an H100 (jax 0.11.2) it did not, and the norms at
 # every step cost 2-10% (benchmarks/README.md): kept as the safe side, pending a decision.
 _NO_COND = ("gpu",)
+
+
+def _platform(mesh):
+    return mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
 
 
 _Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put acc_names "
@@ -1279,8 +1278,7 @@ def _new_steps(state, train, tests, config, mesh):
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
-    param_norm = jax.jit(lambda state: optax.tree.norm(state.params),  # (before every save)
-                         out_shardings=replicated)
+    param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
     return _Steps(train_1, train_k, eval_fns, param_norm, acc_names=names,
                   train_names=names + norms, eval_names=eval_names, lr_known=lr_of is not None,
                   weighted_loss=isinstance(metrics.get("loss"), Weighted))
@@ -1524,6 +1522,10 @@ def _acc_parts(sums, n):
 def _at_log(state, config):
     """Whether the step that `state` goes into ends at a multiple of `log_every`."""
     return (state.step + 1) % config.log_every == 0
+
+
+def _param_norm(state):
+    return optax.tree.norm(state.params)
 
 
 def _log_norm(state, config, tree):
@@ -2568,7 +2570,8 @@ def _warn_dtypes(new, old):
         path, new_dtype, old_dtype = changed[0]
         warnings.warn(f"fit: the train step changes the dtype of {len(changed)} state leaves "
                       f"(e.g. {path}: {new_dtype}, where the state holds {old_dtype}); fit casts "
-                      f"them back. To train in another dtype, build the state in it.")
+                      f"them back. Build the state in the dtype to keep; for mixed precision "
+                      f"cast inside apply_fn or the model.")
 
 
 # -- The run's claim and lock ------------------------------------------------------------------
