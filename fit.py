@@ -324,6 +324,8 @@ class Options:
         if self.eval_every and self.eval_freq != 1:
             raise ValueError(f"fit: eval_every={self.eval_every} (steps) and eval_freq="
                              f"{self.eval_freq} (epochs) contradict each other; pass one of them.")
+        if self.loss_fn and self.nnx_loss_fn:
+            raise ValueError("fit: pass loss_fn= or nnx_loss_fn=, not both.")
         if self.grad_accum > 1 and self.train_step is not None:
             raise ValueError(f"fit: grad_accum={self.grad_accum} splits fit's own train step; "
                              f"your train_step accumulates on its own (drop grad_accum).")
@@ -526,8 +528,7 @@ class EarlyStopping:
 
     def __init__(self, patience=3, min_delta=0.0, restore_best=True, monitor=None):
         if not _positive_int(patience):
-            raise ValueError(f"EarlyStopping: patience must be a positive integer, got "
-                             f"{patience!r}.")
+            raise ValueError(f"EarlyStopping: patience must be a positive int, got {patience!r}.")
         self.patience, self.min_delta = patience, min_delta
         self.restore_best, self.monitor = restore_best, monitor
         self.best, self.bad = None, 0
@@ -595,10 +596,9 @@ class ProgressBar:
         if event in ("log", "eval"):
             self.shown.update(run.metrics)
         if event == "train_start" and self.verbose == 1:
-            self.bar = _Bar(total=run.total_steps, initial=run.step, unit="step",
-                            dynamic_ncols=True, disable=False,
-                            bar_format="{desc}{percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
-                                       "[{elapsed}{postfix}]")
+            self.bar = _Bar(total=run.total_steps, initial=run.step, unit="step", disable=False,
+                            dynamic_ncols=True, bar_format="{desc}{percentage:3.0f}%|{bar}| "
+                            "{n_fmt}/{total_fmt} [{elapsed}{postfix}]")
         elif event == "train_end" and self.bar is not None:
             self._show_bar(run)  # (the last log point may not have been drawn)
             self.bar.close()
@@ -959,8 +959,7 @@ class _Data:
                              f"fit can batch them.")
         # jax.Arrays stay on their devices: their batches are gathered there, not on the host.
         x, y = (a if isinstance(a, jax.Array) else np.asarray(a) for a in ds)
-        self.x, self.y = x, y
-        n = len(self.x)
+        self.x, self.y, n = x, y, len(x)
         if n != len(self.y) or n == 0:
             raise ValueError(f"fit: {self.name} must be two non-empty arrays with the same "
                              f"number of examples, got {n} inputs and {len(self.y)} targets.")
@@ -1583,11 +1582,11 @@ class _Plan:
         return epoch >= self.num_epochs or bool(self.max_steps and step >= self.max_steps)
 
 
-def _pick_monitor(monitor, mode, train_names, eval_names, ema=False):
+def _pick_monitor(monitor, mode, train_names, eval_names, averaged=False):
     """`monitor` checked, or the default: the (first) eval set's accuracy, else its loss, else its
     first metric, else the train loss; `mode` from the metric's own name (`eval/val/loss`: loss)."""
     names = [f"train/{n}" for n in train_names] + [
-        _metric_tag(part, eval_set, n) for part in ("eval", "eval_ema")[:1 + ema]
+        _metric_tag(part, eval_set, n) for part in ("eval", "eval_ema")[:1 + averaged]
         for eval_set, metrics in eval_names.items() for n in metrics]
     if monitor is None:
         first, metrics = next(iter(eval_names.items()), (None, []))
@@ -2154,7 +2153,8 @@ class _Meter:
     def _agree_shapes(self, step):
         """Every process fed batches of the same shapes since the last log point (_check_data)."""
         fed = "; ".join(f"step {s + 1}: {shape[1:]}" for s, shape in self.changes)
-        _agree(fed or "no new shape", f"the processes fed different batch shapes by step {step}")
+        _agree(fed or "no new shape", f"the processes fed batches of different shapes by step "
+                                      f"{step}")
         self.changes = []
 
     def _add(self, acc, step):
@@ -2392,8 +2392,6 @@ def _check_state(state, opts):
             " or nnx_loss_fn(model, batch, rngs)." if _is_nnx(state) else
             " (or your own train_step)."))
     if _is_nnx(state):
-        if opts.loss_fn and opts.nnx_loss_fn:
-            raise ValueError("fit: pass loss_fn= or nnx_loss_fn=, not both.")
         for name in ("train_step", "axis_name"):
             if getattr(opts, name) is not None:
                 raise ValueError(f"fit: {name}= is for TrainState runs; an nnx model trains with "
@@ -2738,8 +2736,7 @@ class _Signals:
         if threading.current_thread() is not threading.main_thread():
             warnings.warn("fit: called off the main thread, where Python lets no code catch "
                           "signals: Ctrl-C and SIGTERM cannot stop this run with a checkpoint "
-                          "(SIGTERM kills it; resume=True goes on from its last checkpoint).",
-                          stacklevel=3)
+                          "(resume=True goes on from its last one).", stacklevel=3)
             return self
         self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
         return self
