@@ -38,7 +38,7 @@ that order, each opened by a banner comment, and the guards come after them all.
     fit                                the story: check, place, build the steps, open the run, loop
     load_ckpt, evaluate, History       the rest of the public API
     EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
-    _adapt, _nnx_adapter               the model: linen's call, or nnx's as a TrainState
+    _adapt                             the model: linen's call, or nnx's as a TrainState
     _mesh, _place_state, _putter       placement: the mesh, the state's copy, batches
     _Data, _grouped, _prefetch         batches and their positions; steps_per_jit's groups
     _StepConfig, _build_steps          every jax.jit, built from what traced code reads, cached
@@ -635,7 +635,7 @@ class TensorBoard:
         self.hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                         for k, v in _jsonable(hparams).items()}
         self.writer = None  # a metric's tag, cleaned as tensorboardX's add_scalar does, once:
-        self._tag = functools.lru_cache(lambda name: scalar_summary(name, 0.0).value[0].tag)
+        self._tag = functools.cache(lambda name: scalar_summary(name, 0.0).value[0].tag)
 
     def __call__(self, event, run):
         if event == "train_start":
@@ -1004,8 +1004,8 @@ class _Data:
 
     def _convert(self, batch, index):
         """A batch as arrays (numpy or jax.Array as they are, anything np.asarray takes as numpy),
-        checked against the first. Per batch of an iterable: a flatten and a comparison of dtype
-        objects and ranks (`str(dtype)` costs ~7 us a leaf)."""
+        checked against the first: per batch, a flatten and a comparison of dtype objects and ranks
+        (not `str(dtype)`, ~7 us a leaf)."""
         if isinstance(batch, dict) and (self.keys or not self.custom):
             if not self.keys or not set(self.keys) <= set(batch):
                 raise TypeError(f"fit: {self.name} yields dicts with keys {sorted(batch)}; name "
@@ -1147,7 +1147,7 @@ def _same_shapes(a, b):
 
 
 def _prefetch(batches, put, size=2):
-    """Places the next `size` batches while the step runs (transfers are asynchronous); yields
+    """Puts the next `size` batches on their devices while the step runs (asynchronously); yields
     `(batch, position, k, last)`: the look-ahead tells the epoch's last."""
     queue = collections.deque()
     for batch, position, k in batches:
@@ -1250,9 +1250,9 @@ def _new_steps(state, train, tests, config, mesh):
     """Every jax.jit of the run: the train step (alone, and scanned over `steps_per_jit` stacked
     batches) and the eval steps, each summing metrics on device. Your step is traced for its metric
     names before any compile, jitted alone, so the real call reuses that trace (0.1-0.2 s)."""
-    eval_fns, eval_names = _eval_steps(state, tests, config, mesh)
-    if train is None:
-        return _Steps(eval=eval_fns, eval_names=eval_names)
+    if train is None:  # (evaluate)
+        fns, names = _eval_steps(state, tests, config, mesh)
+        return _Steps(eval=fns, eval_names=names)
     replicated, user_step, seed = _replicated(mesh), config.train_step, config.seed
     who = "train_step" if user_step else config.loss_name
     step_fn = user_step or _default_train_step(config)
@@ -1268,8 +1268,8 @@ def _new_steps(state, train, tests, config, mesh):
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
     # The lr a step used, from the state after it: lr_fn(step), or inject_hyperparams' value.
-    lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn else (lambda s: _lr_in(
-        s.opt_state)) if _lr_in(state.opt_state) is not None else None
+    lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn is not None else (
+        lambda s: _lr_in(s.opt_state)) if _lr_in(state.opt_state) is not None else None
     one = functools.partial(_train_and_accumulate, _Train(step_fn, tuple(names), lr_of, config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
@@ -1277,6 +1277,7 @@ def _new_steps(state, train, tests, config, mesh):
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
+    eval_fns, eval_names = _eval_steps(state, tests, config, mesh)  # (after: train advice first)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
     return _Steps(train_1, train_k, eval_fns, param_norm, acc_names=names,
                   train_names=names + norms, eval_names=eval_names, lr_known=lr_of is not None,
@@ -2438,9 +2439,9 @@ def _check_data(train, tests, opts, mesh):
 
 
 def _check_plan(state, opts, train, tests, total):
-    """A one-shot iterator (a generator) that the run would read more than once; a learning rate
-    that reaches its final value before half the run and stays near 0 after, e.g. a schedule
-    built with the wrong steps_per_epoch (`len((x, y))` is 2): a warning."""
+    """Raises for a one-shot iterator (a generator) that the run would read more than once; warns
+    for a learning rate that reaches its final value before half the run and stays near 0 after,
+    e.g. a schedule built with the wrong steps_per_epoch (`len((x, y))` is 2)."""
     if train.stream and opts.num_epochs > 1 and not opts.steps_per_epoch:
         raise ValueError(f"fit: train_ds is a one-shot iterator (a generator), read only once, "
                          f"but num_epochs={opts.num_epochs}; pass a re-iterable (a list, a loader,"
@@ -2723,10 +2724,11 @@ _SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on fr
 
 class _Signals:
     """Why the run must stop. Ctrl-C or SIGTERM stops after the step with a checkpoint, resumably;
-    SIGTERM then exits 143, a second Ctrl-C aborts at once; after the last step too, once the final
-    checkpoint is committed. Off the main thread fit cannot catch signals (it warns). With several
-    processes JAX's preemption notifier owns SIGTERM (one step for all) and takes Ctrl-C; without
-    it, Ctrl-C on one process stops all at the next log point."""
+    SIGTERM then exits 143, a second Ctrl-C aborts at once. One after the last step: SIGTERM exits
+    143, Ctrl-C raises KeyboardInterrupt, once the final checkpoint is committed. Off the main
+    thread fit cannot catch signals (it warns). With several processes JAX's preemption notifier
+    owns SIGTERM (one step for all) and takes Ctrl-C; without it, Ctrl-C on one process stops all
+    at the next log point."""
 
     def __init__(self):
         self.reason, self.asked, self.previous, self.forwarded = None, None, {}, False
@@ -2750,7 +2752,7 @@ class _Signals:
         elif jax.config.jax_enable_preemption_service:  # it picks one step for all
             self.forwarded = True
             signal.raise_signal(signal.SIGTERM)
-        else:  # asked of every process at the next log point (_Run.call)
+        else:  # asked of every process at the next log point (_Loop.poll)
             self.asked = signal.Signals(sig).name
 
     def __exit__(self, *exc):
