@@ -114,12 +114,12 @@ class TrainState(train_state.TrainState):
         return cls(step=0, apply_fn=apply_fn, params=params, tx=None, opt_state=None, **kwargs)
 
 
-Weighted = collections.namedtuple("Weighted", "total weight")
-Weighted.__doc__ = """A metric given as a sum and its weight, e.g. `Weighted(token_losses.sum(),
-mask.sum())` for a padded batch: fit logs sum(total) / sum(weight) over the whole eval set or log
-interval, exactly, where a plain per-batch mean is weighted by rows (eval) or steps (train). A loss
-may be one too (`loss_fn` returns it, or `(it, metrics)`): the step descends total / weight, and
-with `grad_accum` or `axis_name` sums totals and weights over microbatches and devices first."""
+class Weighted(collections.namedtuple("Weighted", "total weight")):
+    """A metric as a sum and its weight, e.g. `Weighted(token_losses.sum(), mask.sum())` for a
+    padded batch: fit logs sum(total) / sum(weight) over the whole eval set or log interval,
+    exactly, where a plain per-batch mean is weighted by rows (eval) or steps (train). A loss may
+    be one too: the step descends total / weight (summed over microbatches and devices first)."""
+    __slots__ = ()
 
 
 def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0):
@@ -675,19 +675,6 @@ class TensorBoard:
 
 # -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables --
 
-def _linen_forward(loss_fn, state, params, batch, rng, *, train):
-    """A linen model's `(loss_fn(outputs, targets), new batch_stats)`; dropout draws from `rng`."""
-    inputs, targets = batch
-    stats = getattr(state, "batch_stats", {})  # (a class without the field: a model without)
-    has_stats = bool(jax.tree.leaves(stats))
-    variables = {"params": params, **({"batch_stats": stats} if has_stats else {})}
-    kwargs = {"rngs": {"dropout": rng}, "mutable": ["batch_stats"] if has_stats else False}
-    out = state.apply_fn(variables, inputs, train=train, **(kwargs if train else {}))
-    if train and has_stats:  # (with mutable collections, apply returns them beside the outputs)
-        out, stats = out[0], out[1]["batch_stats"]
-    return loss_fn(out, targets), stats
-
-
 def _adapt(model, opts, who="fit"):
     """`(state, forward, eval_step, finish, linen)`: a TrainState as it is, called by
     `_linen_forward`; an nnx model and its optimizer as a TrainState of plain dicts (what hooks
@@ -746,6 +733,19 @@ def _adapt(model, opts, who="fit"):
         return model
 
     return state, forward, eval_step and eval_fn, finish, False
+
+
+def _linen_forward(loss_fn, state, params, batch, rng, *, train):
+    """A linen model's `(loss_fn(outputs, targets), new batch_stats)`; dropout draws from `rng`."""
+    inputs, targets = batch
+    stats = getattr(state, "batch_stats", {})  # (a class without the field: a model without)
+    has_stats = bool(jax.tree.leaves(stats))
+    variables = {"params": params, **({"batch_stats": stats} if has_stats else {})}
+    kwargs = {"rngs": {"dropout": rng}, "mutable": ["batch_stats"] if has_stats else False}
+    out = state.apply_fn(variables, inputs, train=train, **(kwargs if train else {}))
+    if train and has_stats:  # (with mutable collections, apply returns them beside the outputs)
+        out, stats = out[0], out[1]["batch_stats"]
+    return loss_fn(out, targets), stats
 
 
 def _call_nnx_loss(fn, model, batch, rngs):
