@@ -27,7 +27,8 @@ def batches(n, size=32, seed=0):
 def edited_fit(tmp_path, monkeypatch, *replacements):
     """fit.py as a user would edit it (each `old` text replaced), imported as its own module."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = open(os.path.join(root, "fit.py")).read()
+    with open(os.path.join(root, "fit.py")) as f:
+        source = f.read()
     for old, new in replacements:
         assert source.count(old) == 1, old
         source = source.replace(old, new)
