@@ -676,22 +676,13 @@ class TensorBoard:
 # -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables --
 
 def _adapt(model, opts, who="fit"):
-    """`(state, forward, eval_step, finish, linen)`: a TrainState as it is, called by
-    `_linen_forward`; an nnx model and its optimizer as a TrainState of plain dicts (what hooks
-    see): `params` what the optimizer trains (`wrt`), `batch_stats` every other variable
-    (BatchNorm statistics, the Rngs' state, so dropout resumes exactly), merged in each step in
-    plain `jax.jit` (nnx.jit costs ~0.3 ms more a call); `finish(state)` writes them back."""
+    """`(state, forward, eval_step, finish, linen)`: a TrainState as it is; an nnx model as a
+    TrainState of plain dicts: `params` what the optimizer trains (`wrt`), `batch_stats` every other
+    variable (the Rngs' state too), merged in each step in plain jax.jit; `finish` writes back."""
     if not _is_nnx(model):
         return model, _linen_forward, opts.eval_step, lambda state: state, True
     from flax import nnx
-    optimizer, nnx_loss_fn, eval_step = opts.optimizer, opts.nnx_loss_fn, opts.eval_step
-    if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only): no optimizer
-        optimizer = types.SimpleNamespace(tx=None, opt_state=None, step=np.int32(0), wrt=nnx.Param)
-    missing = [a for a in ("tx", "opt_state", "step", "wrt") if not hasattr(optimizer, a)]
-    if missing:  # (not the object's repr: an optimizer's repr prints the whole model)
-        got = "None" if optimizer is None else f"{type(optimizer).__name__} (no {missing})"
-        raise TypeError(f"{who}: an nnx model needs optimizer=nnx.Optimizer(model, tx, "
-                        f"wrt=nnx.Param), got optimizer={got}.")
+    optimizer, nnx_loss_fn = _nnx_optimizer(opts.optimizer, who), opts.nnx_loss_fn
     # Plain dicts, not nnx.State: jit flattens the state every call, State twice as slowly.
     is_state = lambda x: isinstance(x, nnx.State)
     pure = lambda tree: jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x,
@@ -723,7 +714,7 @@ def _adapt(model, opts, who="fit"):
         return out, pure(nnx.state(model, nnx.Not(optimizer.wrt)))
 
     def eval_fn(state, batch):
-        return eval_step(merged(state.params, state.batch_stats, False), batch)
+        return opts.eval_step(merged(state.params, state.batch_stats, False), batch)
 
     def finish(state):
         nnx.update(model, state.params, state.batch_stats)
@@ -732,7 +723,7 @@ def _adapt(model, opts, who="fit"):
             optimizer.step[...] = state.step
         return model
 
-    return state, forward, eval_step and eval_fn, finish, False
+    return state, forward, opts.eval_step and eval_fn, finish, False
 
 
 def _linen_forward(loss_fn, state, params, batch, rng, *, train):
@@ -2410,6 +2401,19 @@ def _check_state(state, opts):
                          f"{type(state).__name__} with tx={getattr(state, 'tx', None)!r}; build "
                          f"it with TrainState.create(apply_fn=..., params=..., tx=optax.adam"
                          f"(...)), or pass an nnx model with optimizer=nnx.Optimizer(...).")
+
+
+def _nnx_optimizer(optimizer, who):
+    """An nnx model's optimizer, checked (none needed for `evaluate` or weights alone)."""
+    if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only)
+        from flax import nnx
+        return types.SimpleNamespace(tx=None, opt_state=None, step=np.int32(0), wrt=nnx.Param)
+    missing = [a for a in ("tx", "opt_state", "step", "wrt") if not hasattr(optimizer, a)]
+    if missing:  # (not the object's repr: an optimizer's repr prints the whole model)
+        got = "None" if optimizer is None else f"{type(optimizer).__name__} (no {missing})"
+        raise TypeError(f"{who}: an nnx model needs optimizer=nnx.Optimizer(model, tx, "
+                        f"wrt=nnx.Param), got optimizer={got}.")
+    return optimizer
 
 
 def _check_data(train, tests, opts, mesh):
