@@ -196,7 +196,12 @@ class Options:
     """Every option of `fit` (and the data and placement ones of `evaluate`), checked when built
     (the long form of each: docs/reference.md):
     loss_fn: `(outputs, targets) -> loss or (loss, {name: scalar})`; see the module docstring.
-    eval_step: `(state, batch) -> scalar` ("accuracy") or `{name: scalar}`; None: `loss_fn`'s loss.
+    eval_step: `(state, batch) -> scalar` ("accuracy") or `{name: value}`; None: `loss_fn`'s loss.
+        A value may be a per-batch mean, a `Weighted`, an array of counts (summed, e.g. a
+        confusion matrix) or a metric state with `merge` and `compute` (clu's); see `_EvalSums`.
+    eval_metrics: `{name: fn(state, batches) -> float}`, metrics computed in Python at every eval
+        (BLEU from decoded text): `state` as `eval_step` gets it, `batches` the eval set's; logged
+        and ranked as `eval/<name>`, so a `monitor`; process 0's value holds for all processes.
     train_step: `(state, batch[, rng]) -> (state, metrics)`, replacing fit's step; TrainState only.
         Metrics are logged as interval means, but `grad_norm` and `param_norm` as the log step's.
     optimizer: an nnx model's `nnx.Optimizer` (or an object with `tx`, `opt_state`, `step`, `wrt`).
@@ -242,6 +247,7 @@ class Options:
     axis_name: for pmap-era models: runs the step per device over the data axis, so named."""
     loss_fn: Any = dataclasses.field(default=None, metadata=_TRACED)
     eval_step: Any = None
+    eval_metrics: dict | None = None
     train_step: Any = dataclasses.field(default=None, metadata=_TRACED)
     optimizer: Any = None
     nnx_loss_fn: Any = None
@@ -294,6 +300,10 @@ class Options:
         "hooks": (TypeError, lambda v: isinstance(v, (list, tuple)) and all(map(callable, v)),
                   "a list of functions hook(event, run)"),
         "hparams": (TypeError, lambda v: isinstance(v, dict), "a dict of name -> value"),
+        "eval_metrics": (TypeError, lambda v: isinstance(v, dict) and all(
+            isinstance(k, str) and re.fullmatch(r"[\w.-]+", k) and callable(f) for k, f in
+            v.items()), "a dict {name: fn(state, batches) -> float}, names of letters, digits, "
+                        "'_', '-' or '.'"),
         "resume": (ValueError, lambda v: isinstance(v, bool) or isinstance(v, str) and v,
                    "True, False or the name of a run"),
         "batch_keys": (ValueError, lambda v: isinstance(v, (tuple, list)) and len(v) == 2,
@@ -356,8 +366,8 @@ def fit(state, train_ds, test_ds=None, **options):
     # 1. Check everything that can be checked before touching the disk or compiling.
     opts = Options.of(options)
     _check_state(state, opts)
-    state, forward, eval_step, finish, linen = _adapt(state, opts)  # (nnx: as a TrainState)
-    mesh = _mesh(opts, state)
+    model = _adapt(state, opts)  # (an nnx model: its variables as a TrainState)
+    state, mesh = model.state, _mesh(opts, model.state)
     train = _Data(train_ds, "train_ds", opts, train=True)
     tests = _eval_sets(test_ds, "test_ds", opts)  # {name: _Data}; one set's name is None
     _check_data(train, tests, opts, mesh)
@@ -366,7 +376,7 @@ def fit(state, train_ds, test_ds=None, **options):
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
-    config = _StepConfig.of(opts, forward, eval_step, mesh, linen=linen)
+    config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
     steps = _build_steps(state, train, tests, config, mesh)
     plan = _Plan(opts, train, tests, steps, state)
     verbose = _verbosity(opts.verbose)
@@ -387,7 +397,7 @@ def fit(state, train_ds, test_ds=None, **options):
     if plan.done(epoch, step) or run.stopping:  # (run.stopping: a hook's stop, for good)
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
-        return finish(run.end(state, step, epoch)), run.history
+        return model.finish(run.end(state, step, epoch)), run.history
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
                   f"{step} on {mesh.size} device(s), best by {plan.monitor} ({plan.mode}); "
                   f"tensorboard --logdir {ckpts.logs}")
@@ -399,7 +409,8 @@ def fit(state, train_ds, test_ds=None, **options):
             ckpts.open()
             run.call("train_start", state, step, epoch)
             meter = run.meter = _Meter(steps, opts, progress.meter, step)  # its clock starts
-            loop = _Loop(run, meter, ckpts, signals, plan=plan, tests=tests, verbose=verbose)
+            loop = _Loop(run, meter, ckpts, signals, plan=plan, tests=tests, verbose=verbose,
+                         python=_python_metrics(opts.eval_metrics, model.view))
             due = step  # the step from which the loop checks what is due (here: the first)
             while not (run.stopping or plan.done(epoch, step)):
                 batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
@@ -435,7 +446,7 @@ def fit(state, train_ds, test_ds=None, **options):
         run.close()
     run.history.timing = meter.timing(step)
     signals.honour(run.stopping, late)
-    return finish(state), run.history
+    return model.finish(state), run.history
 
 
 # -- The rest of the public API: restoring, evaluating, the history ----------------------------
@@ -449,8 +460,9 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
     orbax ones, with items `state` and `meta` (JSON)."""
     if _is_nnx(state):
         who = "load_ckpt" if optimizer or not weights_only else "evaluate"  # (no optimizer)
-        adapted, _, _, finish, _ = _adapt(state, Options(optimizer=optimizer), who)
-        return finish(load_ckpt(adapted, ckpt_dir, step, weights_only=weights_only, ema=ema))
+        model = _adapt(state, Options(optimizer=optimizer), who)
+        return model.finish(load_ckpt(model.state, ckpt_dir, step, weights_only=weights_only,
+                                      ema=ema))
     if optimizer is not None:
         raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its tx.")
     for name, value in (("weights_only", weights_only), ("ema", ema)):
@@ -495,18 +507,20 @@ def evaluate(state, ds, eval_step=None, **options):
     `evaluate(state, (x, y), eval_step, batch_size=256)`. `options`: fit's about the data and the
     placement; without `eval_step`, `loss_fn` or `nnx_loss_fn` gives the loss."""
     opts = Options.of({**options, "eval_step": eval_step})
-    state, forward, eval_step, _, linen = _adapt(state, opts, "evaluate")
+    model = _adapt(state, opts, "evaluate")
     lean = lambda s: s.replace(opt_state=None) if hasattr(s, "opt_state") else s
     if hasattr(opts.state_sharding, "opt_state"):  # (a tree like the state: the same, lean)
         opts = dataclasses.replace(opts, state_sharding=lean(opts.state_sharding))
-    mesh, state = _mesh(opts, state), lean(state)
+    mesh, state = _mesh(opts, model.state), lean(model.state)
     if ds is None:
         raise ValueError("evaluate: ds is None; pass the data (any form of fit's test_ds).")
     tests = _eval_sets(ds, "ds", opts)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
-    config = _StepConfig.of(opts, forward, eval_step, mesh, linen=linen)
+    config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
     steps = _build_steps(state, None, tests, config, mesh)
-    out = {name: _evaluate(steps, test, state, name) for name, test in tests.items()}
+    python = _python_metrics(opts.eval_metrics, model.view)
+    out = {name: _evaluate(steps, test, state, name, python=python)
+           for name, test in tests.items()}
     return out if isinstance(ds, dict) else out[None]
 
 
@@ -523,8 +537,10 @@ class History(dict):
 
 class EarlyStopping:
     """A hook that stops when fit's `monitor` has not improved by more than `min_delta` for
-    `patience` evals, and (`restore_best`) returns the best checkpoint's state. Its stop is final
-    (see fit); its count is checkpointed. Another `monitor` than fit's raises: pass it to fit."""
+    `patience` evals (epochs, for a train metric), and (`restore_best`) returns the best
+    checkpoint's state. A value equal to the best (within `min_delta`) is no improvement: the count
+    rises (as in Keras and Lightning). Its stop is final (see fit); its count is checkpointed.
+    Another `monitor` than fit's raises: pass it to fit."""
 
     def __init__(self, patience=3, min_delta=0.0, restore_best=True, monitor=None):
         if not _positive_int(patience):
@@ -541,6 +557,9 @@ class EarlyStopping:
 
     def __call__(self, event, run):
         if event == "train_start":
+            if run.monitor is None:
+                raise ValueError("EarlyStopping: this run has no metric to follow; return one "
+                                 "from loss_fn, train_step or eval_step, and pass monitor= to fit.")
             if self.monitor not in (None, run.monitor):
                 raise ValueError(f"EarlyStopping: monitor={self.monitor!r} differs from fit's "
                                  f"monitor={run.monitor!r}, which picks the checkpoint to "
@@ -627,8 +646,9 @@ class _Bar(tqdm):
 
 class TensorBoard:
     """The built-in TensorBoard writer, a hook like any other (process 0 only): `train/` and
-    `perf/` scalars at log points, `eval/` and `best/<monitor>` at evals, and the run's hparams
-    for the HParams tab, all in `history.log_dir`. `run.writer` is its SummaryWriter."""
+    `perf/` scalars at log points, `eval/` and `best/<monitor>` at evals (array metrics as text
+    tables), and the run's hparams for the HParams tab, all in `history.log_dir`. `run.writer` is
+    its SummaryWriter."""
 
     def __init__(self, hparams):
         # TensorBoard takes numbers, strings, booleans: numpy scalars via JSON, the rest as text.
@@ -659,6 +679,8 @@ class TensorBoard:
                 values = [Summary.Value(tag=self._tag(k), simple_value=float(v))
                           for k, v in run.metrics.items()]
                 self.writer.file_writer.add_summary(Summary(value=values), run.step)
+            for tag, array in run.arrays.items():  # (TensorBoard's Text tab)
+                self.writer.add_text(tag, _table(array), run.step)
             tracked = "eval" if _is_eval(run.monitor) else "epoch_end"
             if event == tracked and run.best is not None:
                 self.writer.add_scalar(f"best/{run.monitor}", run.best, run.step)
@@ -673,14 +695,28 @@ class TensorBoard:
             run.writer = self.writer = None
 
 
+def _table(array):
+    """An array as a markdown table (1-D: one row; 2-D: a row each), else as text."""
+    if array.ndim not in (1, 2):
+        return f"<pre>{array}</pre>"
+    rows = np.atleast_2d(array)
+    cells = lambda values: "| " + " | ".join(map(str, values)) + " |"
+    head = [cells(["", *range(rows.shape[1])]), cells(["---"] * (rows.shape[1] + 1))]
+    return "\n".join(head + [cells([i, *row]) for i, row in enumerate(rows.tolist())])
+
+
 # -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables --
 
+_Model = collections.namedtuple("_Model", "state forward eval_step view finish linen")
+
+
 def _adapt(model, opts, who="fit"):
-    """`(state, forward, eval_step, finish, linen)`: a TrainState as it is; an nnx model as a
-    TrainState of plain dicts: `params` what the optimizer trains (`wrt`), `batch_stats` every other
-    variable (the Rngs' state too), merged in each step in plain jax.jit; `finish` writes back."""
+    """A `_Model`: a TrainState as it is; an nnx model as a TrainState of plain dicts: `params`
+    what the optimizer trains (`wrt`), `batch_stats` every other variable (the Rngs' state too),
+    merged in each step in plain jax.jit. `view(state)`: what `eval_step` and `eval_metrics` are
+    given (an nnx model in eval mode); `finish` writes the state back (into the nnx model)."""
     if not _is_nnx(model):
-        return model, _linen_forward, opts.eval_step, lambda state: state, True
+        return _Model(model, _linen_forward, opts.eval_step, _itself, _itself, True)
     from flax import nnx
     optimizer, nnx_loss_fn = _nnx_optimizer(opts.optimizer, who), opts.nnx_loss_fn
     # Plain dicts, not nnx.State: jit flattens the state every call, State twice as slowly.
@@ -713,8 +749,8 @@ def _adapt(model, opts, who="fit"):
         nnx.pop(model, nnx.Intermediate)
         return out, pure(nnx.state(model, nnx.Not(optimizer.wrt)))
 
-    def eval_fn(state, batch):
-        return opts.eval_step(merged(state.params, state.batch_stats, False), batch)
+    view = lambda state: merged(state.params, state.batch_stats, False)
+    eval_fn = lambda state, batch: opts.eval_step(view(state), batch)
 
     def finish(state):
         nnx.update(model, state.params, state.batch_stats)
@@ -723,7 +759,7 @@ def _adapt(model, opts, who="fit"):
             optimizer.step[...] = state.step
         return model
 
-    return state, forward, opts.eval_step and eval_fn, finish, False
+    return _Model(state, forward, opts.eval_step and eval_fn, view, finish, False)
 
 
 def _linen_forward(loss_fn, state, params, batch, rng, *, train):
@@ -985,6 +1021,9 @@ class _Data:
         self.length = len(ds) if hasattr(ds, "__len__") and not self.stream else None
         return self._convert(raw, 0)
 
+    def __iter__(self):  # one pass of the batches, as `eval_metrics` functions get an eval set
+        return (batch for batch, _ in self.epoch(0))
+
     def describe(self):
         """What processes must agree on: batch count ('?': unknown), sizes, first batch's shapes."""
         counts = sorted(collections.Counter(self.sizes or []).items())
@@ -1191,8 +1230,9 @@ def _platform(mesh):
     return mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
 
 
-_Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put acc_names "
-                                          "train_names eval_names lr_known weighted_loss",
+_Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put "
+                                          "train_sums train_names eval_sums lr_known "
+                                          "weighted_loss",
                                 defaults=(None,) * 12)  # (built by name)
 
 
@@ -1208,9 +1248,8 @@ def _build_steps(state, train, tests, config, mesh):
     steps = _cached(key, reuse, lambda: _new_steps(state, train, tests, config, mesh))
     # Made at each call, not kept with the steps: the sums' zeros (a finished run leaves no
     # array) and the batches' placement.
-    acc0 = train and jax.device_put(_train_acc(len(steps.acc_names)), _replicated(mesh))
-    eval0 = {name: np.zeros(2 * len(names) + 1, np.float32)  # totals, weights, batches
-             for name, names in steps.eval_names.items()}
+    acc0 = train and jax.device_put(steps.train_sums.zeros(), _replicated(mesh))
+    eval0 = {name: sums.zeros() for name, sums in steps.eval_sums.items()}
     return steps._replace(acc0=acc0, eval0=jax.device_put(eval0, _replicated(mesh)),
                           put=_putter(mesh, config.axis_name or "data"))
 
@@ -1242,8 +1281,8 @@ def _new_steps(state, train, tests, config, mesh):
     batches) and the eval steps, each summing metrics on device. Your step is traced for its metric
     names before any compile, jitted alone, so the real call reuses that trace (0.1-0.2 s)."""
     if train is None:  # (evaluate)
-        fns, names = _eval_steps(state, tests, config, mesh)
-        return _Steps(eval=fns, eval_names=names)
+        fns, sums = _eval_steps(state, tests, config, mesh)
+        return _Steps(eval=fns, eval_sums=sums)
     replicated, user_step, seed = _replicated(mesh), config.train_step, config.seed
     who = "train_step" if user_step else config.loss_name
     step_fn = user_step or _default_train_step(config)
@@ -1254,24 +1293,26 @@ def _new_steps(state, train, tests, config, mesh):
                                 out_specs=(P(), P()), check_vma=False)
     step_fn = jax.jit(_under(mesh, step_fn))
     own = user_step or config.loss_name == "nnx_loss_fn"  # (else fit calls the model)
-    metrics = _as_dict(_trace(step_fn, state, train.spec, config, not own and "train")[1], "loss")
+    step_fn = functools.partial(_step_values, step_fn)
+    metrics = _trace(step_fn, state, train.spec, config, not own and "train")[1]
     traced = _metric_names(metrics, who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
     # The lr a step used, from the state after it: lr_fn(step), or inject_hyperparams' value.
     lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn is not None else (
         lambda s: _lr_in(s.opt_state)) if _lr_in(state.opt_state) is not None else None
-    one = functools.partial(_train_and_accumulate, _Train(step_fn, tuple(names), lr_of, config))
+    one = functools.partial(_train_and_accumulate, _Train(step_fn, _TrainSums(names), lr_of,
+                                                          config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
     # k steps per call: a scan over a stacked group of k batches.
     train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
         lambda carry, b: (one(*carry, b), None), (state, acc), batches,
         unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
-    eval_fns, eval_names = _eval_steps(state, tests, config, mesh)  # (after: train advice first)
+    eval_fns, eval_sums = _eval_steps(state, tests, config, mesh)  # (after: train advice first)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
-    return _Steps(train_1, train_k, eval_fns, param_norm, acc_names=names,
-                  train_names=names + norms, eval_names=eval_names, lr_known=lr_of is not None,
+    return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=one.args[0].sums,
+                  train_names=names + norms, eval_sums=eval_sums, lr_known=lr_of is not None,
                   weighted_loss=isinstance(metrics.get("loss"), Weighted))
 
 
@@ -1282,18 +1323,19 @@ def _unrolled():
 
 
 def _eval_steps(state, tests, config, mesh):
-    """Each eval set's jitted step and metric names, `{set: step}, {set: names}`: sets with the
+    """Each eval set's jitted step and sums' layout, `{set: step}, {set: _EvalSums}`: sets with the
     same kinds of batches share one step (a batch shape compiles once, whichever set feeds it)."""
     built = {}
     for test in tests.values():
         if _kinds(test.spec) not in built:
             built[_kinds(test.spec)] = _eval_step(state, test, config, mesh)
     each = {name: built[_kinds(test.spec)] for name, test in tests.items()}
-    return {n: fn for n, (fn, _) in each.items()}, {n: names for n, (_, names) in each.items()}
+    return {n: fn for n, (fn, _) in each.items()}, {n: sums for n, (_, sums) in each.items()}
 
 
 def _eval_step(state, test, config, mesh):
-    """The jitted eval step (adds a batch's totals and weights, rows for a mean), and the names."""
+    """The jitted eval step, `(state, sums, batch) -> (sums, host)` (`_EvalSums.add`), and the
+    layout of its sums."""
     eval_step, forward, own = config.eval_step, config.forward, config.loss_name == "nnx_loss_fn"
     if eval_step is None and config.loss_fn is None and not own:
         raise ValueError("fit: pass eval_step=, or loss_fn= for an eval of the loss, to "
@@ -1307,15 +1349,115 @@ def _eval_step(state, test, config, mesh):
 
     inner = jax.jit(_under(mesh, eval_step or loss_eval))
     who = "eval_step" if eval_step else config.loss_name
-    names = _metric_names(_trace(inner, state, test.spec, config, not (eval_step or own) and
-                                 "eval"), who, "accuracy")
+    shapes = _trace(inner, state, test.spec, config, not (eval_step or own) and "eval")
+    sums = _EvalSums(_as_dict(shapes, "accuracy"), who)
 
-    def _eval_and_accumulate(state, acc, batch):  # totals, weights, batches
-        n = jax.tree.leaves(batch)[0].shape[0]
-        metrics = _as_dict(inner(state, batch), "accuracy")
-        return acc + jnp.append(_totals_and_weights([metrics[k] for k in names], n).ravel(), 1.0)
+    def _eval_and_accumulate(state, acc, batch):
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        return sums.add(acc, _as_dict(inner(state, batch), "accuracy"), rows)
 
-    return jax.jit(_eval_and_accumulate, out_shardings=_replicated(mesh)), names
+    return jax.jit(_eval_and_accumulate, out_shardings=_replicated(mesh)), sums
+
+
+class _EvalSums:
+    """An eval step's sums, one layout, made from its outputs' shapes: what the compiled step adds
+    for a batch (`add`) and what the host reads once per eval (`read`). By what `eval_step` returns
+    for a name: a scalar (a per-batch mean, weighted by rows) or a `Weighted` of scalars goes into
+    `sums`, [totals, weights, batches]; an array (counts: a confusion matrix) or a `Weighted` of
+    arrays (divided elementwise) is summed, integers exactly, floats in float32; a metric state
+    (`merge` and `compute`, e.g. `clu.metrics`) is merged in the step if its `merge` traces to its
+    own structure (sums, counts), else on the host (clu's `CollectingMetric`), each batch's copied
+    there one batch late. A state's `compute()` runs once per eval; a dict gives a metric a key.
+    Every batch is counted once: one that does not split over the devices runs whole on each."""
+
+    def __init__(self, shapes, who):
+        kinds = {name: _eval_kind(name, value, who) for name, value in shapes.items()}
+        of = lambda kind: {k: shapes[k] for k in shapes if kinds[k] == kind}
+        self.scalars, self.arrays, self.states = list(of("scalar")), of("array"), of("state")
+        self.host = list(of("host"))
+        # The scalars an eval will give (a state's: its compute()'s keys, where they can be known).
+        self.names = [n for k, v in shapes.items() if kinds[k] != "array" for n in (
+            _computed_names(k, v) if kinds[k] in ("state", "host") else [k])]
+
+    def zeros(self):
+        zero = lambda s, like=None: np.zeros((like or s).shape, _sum_dtype(s.dtype))
+        arrays = {k: (zero(v.total), zero(v.weight, v.total)) if isinstance(v, Weighted) else
+                  zero(v) for k, v in self.arrays.items()}  # (a Weighted: total, weight)
+        return {"sums": np.zeros(2 * len(self.scalars) + 1, np.float32),  # (+1: the batches)
+                "arrays": arrays, "states": jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                                                         self.states)}
+
+    def add(self, acc, metrics, rows):
+        """Traced: `acc` with one batch's `metrics` added, and the states merged on the host."""
+        pairs = _totals_and_weights([metrics[k] for k in self.scalars], rows)
+        first = acc["sums"][-1] == 0  # (a state's first batch is taken as it is: no empty())
+        as_sum = lambda a, m: a + jnp.broadcast_to(m, a.shape).astype(a.dtype)
+        arrays = {k: jax.tree.map(as_sum, a, tuple(metrics[k]) if isinstance(
+            metrics[k], Weighted) else metrics[k]) for k, a in acc["arrays"].items()}
+        states = {k: jax.tree.map(lambda a, new, merged: jnp.where(first, new, merged).astype(
+            a.dtype), a, metrics[k], a.merge(metrics[k])) for k, a in acc["states"].items()}
+        return {"sums": acc["sums"] + jnp.append(pairs.ravel(), 1.0), "arrays": arrays,
+                "states": states}, {k: metrics[k] for k in self.host}
+
+    def read(self, acc, host, where):
+        """`{name: value}` of summed `acc` and merged `host` states (numpy, on the host): floats,
+        and numpy arrays; None if no batch was added."""
+        *sums, batches = acc["sums"].tolist()
+        if not batches:
+            return None
+        n = len(self.scalars)
+        values = {k: _mean(k, total, weight, "eval_step", where)
+                  for k, total, weight in zip(self.scalars, sums[:n], sums[n:])}
+        for k, a in acc["arrays"].items():
+            with np.errstate(invalid="ignore", divide="ignore"):  # (0 / 0: NaN, no weight)
+                values[k] = a[0] / a[1] if isinstance(a, tuple) else a
+        for k, state in {**acc["states"], **host}.items():
+            out = state.compute()
+            for name, value in (out.items() if isinstance(out, dict) else [(k, out)]):
+                value = np.asarray(value)
+                values[name] = float(value) if value.ndim == 0 else value
+        return values
+
+
+def _eval_kind(name, value, who):
+    """What an eval step's output `value` (shapes) is: "scalar", "array", "state" or "host"."""
+    if hasattr(value, "merge") and hasattr(value, "compute"):  # (a metric state)
+        try:
+            merged = jax.eval_shape(lambda a: a.merge(a), value)
+            same = jax.tree.structure(merged) == jax.tree.structure(value) and all(
+                a.shape == b.shape for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(value)))
+        except Exception:  # (clu's CollectingMetric refuses tracers)
+            same = False
+        return "state" if same else "host"
+    parts = list(value) if isinstance(value, Weighted) else [value]
+    for part in parts:
+        if not jnp.issubdtype(getattr(part, "dtype", np.dtype(object)), jnp.number):
+            raise TypeError(f"fit: {who} must return numbers (a per-batch mean, Weighted(total, "
+                            f"weight), an array of counts) or metric states, but {name!r} is "
+                            f"{getattr(part, 'dtype', type(part).__name__)}.")
+    if isinstance(value, Weighted) and np.broadcast_shapes(
+            value.total.shape, value.weight.shape) != value.total.shape:
+        raise TypeError(f"fit: {who}'s Weighted {name!r} has a total of shape "
+                        f"{value.total.shape} and a weight of shape {value.weight.shape}; the "
+                        f"weight must be a scalar or broadcast to the total's shape.")
+    return "scalar" if parts[0].shape == () else "array"
+
+
+def _computed_names(name, state):
+    """The names a metric state's `compute()` gives: its dict's keys (a clu `Collection`: its
+    fields, where compute cannot be traced), else `name`."""
+    try:
+        out = jax.eval_shape(lambda s: s.compute(), state)
+    except Exception:  # (it computes with numpy, e.g. an AUC over collected scores)
+        fields = dataclasses.fields(state) if dataclasses.is_dataclass(state) else ()
+        parts = [f.name for f in fields if hasattr(getattr(state, f.name), "compute")]
+        return parts if parts and len(parts) == len(fields) else [name]
+    return list(out) if isinstance(out, dict) else [name]
+
+
+def _sum_dtype(dtype):
+    """The dtype an array metric is summed in: int32 for integers (exact), else float32."""
+    return np.int32 if jnp.issubdtype(dtype, jnp.integer) else np.float32
 
 
 def _under(mesh, fn):
@@ -1461,21 +1603,27 @@ def _as_dict(metrics, default):
     return metrics if isinstance(metrics, dict) else {default: metrics}
 
 
-_Train = collections.namedtuple("_Train", "step_fn names lr_of config")  # one train step's parts
+_Train = collections.namedtuple("_Train", "step_fn sums lr_of config")  # one train step's parts
+
+
+def _step_values(step_fn, state, batch):
+    """One step, and the values the train sums add up for it, `{name: a mean or Weighted}`, each
+    logged as its interval's mean, `train/<name>` (`grad_norm`, `param_norm`: their log step's):
+    a per-step quantity added here is summed and logged with them."""
+    new_state, metrics = step_fn(state, batch)
+    return new_state, _as_dict(metrics, "loss")
 
 
 def _train_and_accumulate(train, state, acc, batch):
-    """One train step plus the on-device bookkeeping (metric sums, non-finite steps, the lr, a log
-    step's norms) in two arrays: on XLA's CPU every small op and output costs microseconds."""
-    names, config = train.names, train.config
+    """One train step plus the on-device bookkeeping: the sums (`_TrainSums`), non-finite steps
+    (dropped with `on_nonfinite="skip"`), the lr, a log step's norms."""
+    config, skip = train.config, train.config.skip
     new_state, metrics = train.step_fn(state, batch)
     _warn_dtypes(new_state, state)
-    metrics = _as_dict(metrics, "loss")
-    skip = config.skip
     # "skip" checks the parameters' norm every step, to drop an update that makes them non-finite.
     norm = optax.tree.norm(new_state.params) if skip else _log_norm(state, config, new_state.params)
     norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)], jnp.float32)
-    values = _totals_and_weights([metrics[k] for k in names], 1)
+    values = _totals_and_weights([metrics[k] for k in train.sums.names], 1)
     finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
     if skip:  # keep the old state on device, no host round trip; the step counts on
         new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
@@ -1483,31 +1631,51 @@ def _train_and_accumulate(train, state, acc, batch):
         values = jnp.where(finite, values, 0.0)  # (its weights too)
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
-    n, n_bad, first_bad = acc["count"]
-    totals, weights, old_norms, lr = _acc_parts(acc["sums"], len(names))
-    lr = lr if train.lr_of is None else jnp.reshape(train.lr_of(new_state), 1).astype(jnp.float32)
-    first_bad = jnp.where((n_bad == 0) & ~finite, state.step.astype(jnp.int32), first_bad)
-    count = jnp.stack([n + (finite | (not skip)), n_bad + ~finite, first_bad])
-    # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
-    norms = jnp.where(_at_log(state, config) & (finite | (not skip)), jnp.append(norms, 1.0),
-                      old_norms)
-    sums = jnp.concatenate([totals + values[0], weights + values[1], norms, lr])
-    return new_state, {"sums": sums, "count": count.astype(jnp.int32)}
+    lr = None if train.lr_of is None else train.lr_of(new_state)
+    return new_state, train.sums.add(acc, values, norms, lr, finite=finite, kept=finite | (
+        not skip), at_log=_at_log(state, config), step=state.step)
 
 
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
 
 
-def _train_acc(n):
-    """The train accumulator of `n` metrics, zeros: `sums` (laid out as `_acc_parts` reads it) and
-    `count`, [steps summed, non-finite steps, the first of them]."""
-    return {"sums": np.zeros(2 * n + 4, np.float32), "count": np.zeros(3, np.int32)}
+class _TrainSums:
+    """The train steps' sums, one layout: made from the step's metric names, added to in the
+    compiled step (`add`), read on the host at log points (`read`). Two arrays, as on XLA's CPU
+    every small op and output costs microseconds: `sums` (float32) [each metric's total, each
+    one's weight (a mean: 1 a step), a log step's grad_norm and param_norm and 1 once set, the
+    lr]; `count` (int32) [steps summed, non-finite steps, the first of them]."""
 
+    def __init__(self, names):
+        self.names = tuple(names)
 
-def _acc_parts(sums, n):
-    """The train accumulator's `sums` of `n` metrics (numpy or traced), its one layout: their
-    totals, their weights, a log step's [grad_norm, param_norm, 1 once set], [the lr]."""
-    return sums[:n], sums[n:2 * n], sums[2 * n:2 * n + 3], sums[2 * n + 3:]
+    def zeros(self):
+        return {"sums": np.zeros(2 * len(self.names) + 4, np.float32),
+                "count": np.zeros(3, np.int32)}
+
+    def add(self, acc, values, norms, lr, *, finite, kept, at_log, step):
+        """Traced: a step's [2, n] totals and weights `values`, its [grad_norm, param_norm] (kept
+        at a log step), its lr (None: none known), whether it was `finite` and `kept` (summed)."""
+        n, (steps, n_bad, first_bad) = len(self.names), acc["count"]
+        sums = acc["sums"]
+        totals, weights, old_norms, old_lr = (sums[:n], sums[n:2 * n], sums[2 * n:2 * n + 3],
+                                              sums[2 * n + 3:])
+        lr = old_lr if lr is None else jnp.reshape(lr, 1).astype(jnp.float32)
+        first_bad = jnp.where((n_bad == 0) & ~finite, step.astype(jnp.int32), first_bad)
+        count = jnp.stack([steps + kept, n_bad + ~finite, first_bad])
+        # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
+        norms = jnp.where(at_log & kept, jnp.append(norms, 1.0), old_norms)
+        sums = jnp.concatenate([totals + values[0], weights + values[1], norms, lr])
+        return {"sums": sums, "count": count.astype(jnp.int32)}
+
+    def read(self, acc):
+        """On the host: `(steps, non-finite steps, the first, {name: [total, weight]}, the log
+        step's [grad_norm, param_norm] or None, lr)`."""
+        n, sums = len(self.names), acc["sums"].tolist()
+        steps, n_bad, first_bad = (int(v) for v in acc["count"])
+        grad_norm, param_norm, is_set = sums[2 * n:2 * n + 3]
+        values = {k: [t, w] for k, t, w in zip(self.names, sums[:n], sums[n:2 * n])}
+        return steps, n_bad, first_bad, values, is_set and [grad_norm, param_norm], sums[-1]
 
 
 def _at_log(state, config):
@@ -1551,8 +1719,10 @@ class _Plan:
         self.eval_freq, self.has_test = opts.eval_freq, bool(tests)
         averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's)
         self.ema = averaged and opts.ema_eval and bool(tests)  # evals of the average too
+        python = list(opts.eval_metrics or {})  # (computed in Python: _python_metrics)
+        eval_names = {name: sums.names + python for name, sums in steps.eval_sums.items()}
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, steps.train_names,
-                                                steps.eval_names, self.ema)
+                                                eval_names, self.ema)
 
     def due(self, name, step, k=1):
         """Whether the steps (step - k, step] include a multiple of that period."""
@@ -1576,16 +1746,28 @@ class _Plan:
 
 def _pick_monitor(monitor, mode, train_names, eval_names, averaged=False):
     """`monitor` checked, or the default: the (first) eval set's accuracy, else its loss, else its
-    first metric, else the train loss; `mode` from the metric's own name (`eval/val/loss`: loss)."""
+    first metric, else the train loss, else the first train metric (none: `(None, None)`, a run
+    without a best); `mode` from the metric's own name (`eval/val/loss`: loss)."""
     names = [f"train/{n}" for n in train_names] + [
         _metric_tag(part, eval_set, n) for part in ("eval", "eval_ema")[:1 + averaged]
         for eval_set, metrics in eval_names.items() for n in metrics]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"fit: the metric names {twice} are given twice (eval_step's and "
+                         f"eval_metrics' names must differ).")
     if monitor is None:
         first, metrics = next(iter(eval_names.items()), (None, []))
         preferred = [n for n in ("accuracy", "loss") if n in metrics] + metrics
-        monitor = _metric_tag("eval", first, preferred[0]) if preferred else "train/loss"
+        own = [n for n in ("loss", *train_names) if n in train_names and n not in _NORMS]
+        monitor = _metric_tag("eval", first, preferred[0]) if preferred else \
+            own and f"train/{own[0]}"
+        if not monitor:
+            return None, None
     if monitor not in names:
-        raise ValueError(f"fit: monitor={monitor!r} is not a metric of this run; it has {names}.")
+        near = difflib.get_close_matches(monitor, names, n=1)
+        raise ValueError(f"fit: monitor={monitor!r} is not a metric of this run; it has {names}"
+                         f"{f'. Did you mean {near[0]!r}?' if near else ''} (Arrays, such as a "
+                         f"confusion matrix, cannot be the monitor.)")
     if mode == "auto":
         words = set(re.split(r"[^a-z0-9]+", monitor.split("/")[-1].lower()))
         lower = {"loss", "err", "error", "perplexity", "ppl", "mse", "mae", "rmse", "nll", "bce",
@@ -1604,7 +1786,7 @@ def _pick_monitor(monitor, mode, train_names, eval_names, averaged=False):
 
 def _is_eval(monitor):
     """Whether a metric is an eval's (judged at evals, of one state): `eval/...`, `eval_ema/...`."""
-    return monitor.split("/")[0] in ("eval", "eval_ema")
+    return bool(monitor) and monitor.split("/")[0] in ("eval", "eval_ema")
 
 
 # -- The run: what a checkpoint holds, the best, the checkpoints, what hooks see ---------------
@@ -1665,7 +1847,10 @@ class _Progress:
 
 class _Best:
     """The one owner of the best checkpoint: the monitor and its mode, the best value so far and
-    its step, the values of the `max_to_keep` best (`top`), a save's rank, what orbax keeps."""
+    its step, the values of the `max_to_keep` best (`top`), a save's rank, what orbax keeps. An
+    eval monitor is judged at evals, a train one on epochs' means; a value that enters the kept
+    best asks for a checkpoint of its step, so `load_ckpt(..., "best")` finds it. Ties: of equal
+    values the later is the best (orbax keeps the later of equal ones)."""
 
     def __init__(self, plan, max_to_keep):
         self.monitor, self.mode, self.max_to_keep = plan.monitor, plan.mode, max_to_keep
@@ -1677,26 +1862,22 @@ class _Best:
         """Where a resumed run left its best."""
         self.value, self.step, self.top = progress.best, progress.best_step, list(progress.top)
 
-    def see(self, metrics, step):
-        if self.monitor in metrics:
-            self.seen = (metrics[self.monitor], step)
-
     def track(self, metrics, step):
-        """Follows the best monitored value; True: an eval that enters the kept best, to save."""
+        """Follows the best monitored value (an eval's, or an epoch's means); True: the value
+        enters the kept best, so its step is saved."""
         value = metrics.get(self.monitor)
         if value is None:
             return False
-        # A tie moves the best to the later step: orbax's BestN keeps the later of equal ones.
-        if self.value is None or self.better(value, self.value):
+        self.seen = (value, step)
+        if self.value is None or self.better(value, self.value):  # (a tie: the later step)
             self.value, self.step = value, step
-        return _is_eval(self.monitor) and (
-            len(self.top) < self.max_to_keep or self.better(value, self.top[-1]))
+        return len(self.top) < self.max_to_keep or self.better(value, self.top[-1])
 
     def rank(self, step):
-        """The monitored value to rank a checkpoint of `step` by (an eval's only if it judged this
-        very state), recorded among the kept best; None: it is kept as the last, not a best."""
+        """The monitored value to rank a checkpoint of `step` by (only one that judged this very
+        state), recorded among the kept best; None: it is kept as the last, not a best."""
         value, at = self.seen
-        if value is None or (_is_eval(self.monitor) and at != step):
+        if value is None or at != step:
             return None
         self.top = sorted(self.top + [value], reverse=self.mode == "max")[:self.max_to_keep]
         return value
@@ -1705,6 +1886,8 @@ class _Best:
         """What orbax keeps: the latest checkpoint and the `max_to_keep` best. (`best_fn` with
         `max_to_keep` alone would delete the latest, and keep saves without metrics forever.)"""
         policies, metric = ocp.checkpoint_managers, lambda m: m[self.monitor]
+        if self.monitor is None:  # (a run without metrics: the latest alone)
+            return dict(preservation_policy=policies.LatestN(1))
         policy = policies.AnyPreservationPolicy([policies.LatestN(1), policies.BestN(
             get_metric_fn=metric, reverse=self.mode == "min", n=self.max_to_keep,
             keep_checkpoints_without_metrics=False)])
@@ -1932,8 +2115,11 @@ class _Run:
     call after `step`, whose interval `metrics` covers), `metrics`, `history`, `name`, `id` (the
     same on every resume, e.g. for `wandb.init(id=run.id, resume="allow")`), `monitor`, `mode`,
     `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`, `stopped_early`,
-    `interrupted`; it may set `stop` (final), `save`, and at train_end `state` (elsewhere it
-    raises); `with run.timed(name):` times a hook's own work. `_Run` calls the hooks, keeps the
+    `interrupted`; `arrays` (at `eval`: array metrics, e.g. a confusion matrix, `{tag: ndarray}`;
+    `metrics` holds floats only, so `json.dumps(run.metrics)` works). A hook may set `stop` (final),
+    `save`, and at train_end `state`; assigning `state` elsewhere or changing `metrics` raises (fit
+    has logged and ranked them: compute a metric with `eval_metrics=`). `with run.timed(name):`
+    times a hook's own work. `_Run` calls the hooks, keeps the
     history and hooks' `get_state()`, and makes processes agree on what hooks and signals ask."""
 
     def __init__(self, hooks, plan, ckpts, progress):
@@ -1951,17 +2137,19 @@ class _Run:
         self.stopping = progress.stop  # (a hook's stop, for good: _Progress.go_on)
         self.stopped_early = self.interrupted = self.stop = self.save = False
         self.event = self.step = self.epoch = self.state = None
-        self.metrics, self.last_eval, self.meter = {}, None, None  # (meter: set once it runs)
+        self.metrics, self.arrays, self.last_eval, self.meter = {}, {}, None, None  # (meter: set
+        # once it runs)
 
     best = property(lambda self: self.best_of.value)  # (the best monitored value so far)
 
-    def call(self, event, state, step, epoch, *, metrics=None, save=False, stop=None):
+    def call(self, event, state, step, epoch, *, metrics=None, arrays=None, save=False,
+             stop=None):
         """Calls every hook with (event, run), then takes what they asked for. A stop or save that
         any of several processes asks for (a hook, a signal: `stop`) holds for all."""
         self.event, self.state, self.step, self.epoch = event, state, step, epoch
         self.metrics, self.stop, self.save = metrics or {}, False, self.save or save
+        self.arrays, logged = arrays or {}, dict(self.metrics)
         self.stopping = self.stopping or stop
-        self.best_of.see(self.metrics, step)
         for i, hook in enumerate(self.hooks):
             # Your hooks' time is left out of steps/s (`hooks_s`); the built-in ones' stays in.
             with contextlib.nullcontext() if type(hook) in (ProgressBar, TensorBoard) or \
@@ -1971,6 +2159,10 @@ class _Run:
                 raise ValueError(f"fit: hook {_name(hook)} assigned run.state at {event!r}, "
                                  f"where fit would ignore it: only at 'train_end' does a hook's "
                                  f"state become the one fit returns.")
+            if self.metrics != logged:
+                raise ValueError(f"fit: hook {_name(hook)} changed run.metrics at {event!r}, "
+                                 f"which fit has already logged and ranked; compute a metric "
+                                 f"with fit(..., eval_metrics={{name: fn(state, batches)}}).")
             if self.stop and not self.stopping:
                 self.stopping = _name(hook)
             if event == "train_start" and str(i) in self.hook_states and hasattr(hook, "set_state"):
@@ -2036,7 +2228,7 @@ class _Meter:
     and checkpointed (`sums`), so a resumed run logs what an uninterrupted one would."""
 
     def __init__(self, steps, opts, sums, step):
-        self.steps, self.names, self.acc = steps, steps.acc_names, steps.acc0
+        self.steps, self.acc = steps, steps.acc0
         self.skipping, self.norms = opts.on_nonfinite == "skip", {}
         # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
         self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
@@ -2053,7 +2245,7 @@ class _Meter:
         self.t_end = None
         # Speed beyond steps/s (speed()): the steady calls' rows and FLOPs, the loss's weights.
         self.rows = self.flops = self.tokens = 0.0
-        self.summed, self.weighted = 0, steps.weighted_loss and "loss" in self.names
+        self.summed, self.weighted = 0, steps.weighted_loss and "loss" in steps.train_sums.names
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
         self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
         self.estimate = {}  # XLA's memory estimate of the compiled step, per device (the largest)
@@ -2150,19 +2342,16 @@ class _Meter:
         self.changes = []
 
     def _add(self, acc, step):
-        n, n_bad, first_bad = (int(v) for v in acc["count"])
-        totals, weights, norms, lr = _acc_parts(acc["sums"], len(self.names))
-        (grad_norm, param_norm, is_set), (lr,) = norms.tolist(), lr.tolist()
+        n, n_bad, first_bad, values, norms, lr = self.steps.train_sums.read(acc)
         if n_bad and not self.skipping:
-            bad = [k for k, v in zip(self.names, totals) if not np.isfinite(v)]
+            bad = [k for k, (total, _) in values.items() if not math.isfinite(total)]
             what = ", ".join(sorted(bad, key=lambda k: k != "loss"))
             self._nonfinite(f"values (NaN or Inf) in {what} at step {first_bad + 1} (checked by "
                             f"step {step})")
-        if is_set:
-            self.norms = {f"train/{k}": v for k, v in zip(_NORMS, (grad_norm, param_norm))
+        if norms:  # (a log step's)
+            self.norms = {f"train/{k}": v for k, v in zip(_NORMS, norms)
                           if k in self.steps.train_names}
-            self.check(step, param_norm if math.isfinite(grad_norm) else grad_norm)
-        values = {k: [float(t), float(w)] for k, t, w in zip(self.names, totals, weights)}
+            self.check(step, norms[1] if math.isfinite(norms[0]) else norms[0])
         self.summed += n
         self.tokens += values["loss"][1] if self.weighted else 0.0
         for part in (self.sums["log"], self.sums["epoch"]):
@@ -2280,9 +2469,9 @@ class _Loop:
     """The loop's body around its steps, built once by `fit`: the log points (`log`, with the
     `poll`), an eval, an epoch's end, a save. It holds the run's parts, so none is handed around."""
 
-    def __init__(self, run, meter, ckpts, signals, *, plan, tests, verbose):
+    def __init__(self, run, meter, ckpts, signals, *, plan, tests, python, verbose):
         self.run, self.meter, self.ckpts, self.signals = run, meter, ckpts, signals
-        self.plan, self.tests, self.verbose = plan, tests, verbose
+        self.plan, self.tests, self.python, self.verbose = plan, tests, python, verbose
 
     def log(self, state, step, epoch, *, due=False, sync=False):
         """A `log` event for each log point whose sums `_Meter.read` returns; at the loop's own
@@ -2300,17 +2489,22 @@ class _Loop:
 
     def evaluate(self, state, step, epoch):
         """An eval of every set: `eval/<metric>`, or `eval/<set>/<metric>` for named sets; with
-        `plan.ema`, the average's too, `eval_ema/...`."""
+        `plan.ema`, the average's too, `eval_ema/...`. Every metric is computed first (fit's, then
+        `eval_metrics`'), then recorded, ranked and shown to the hooks, all the same values."""
         states = {"eval": state}
         if self.plan.ema:
             states["eval_ema"] = state.replace(params=_ema_params(state.opt_state))
-        metrics = {_metric_tag(part, name, k): v for part, of in states.items()
-                   for name, test in self.tests.items()
-                   for k, v in _evaluate(self.meter.steps, test, of, name, self.meter).items()}
+        metrics, arrays = {}, {}
+        for part, of in states.items():
+            for name, test in self.tests.items():
+                values = _evaluate(self.meter.steps, test, of, name, meter=self.meter,
+                                   python=self.python)
+                for k, v in values.items():  # (arrays: to hooks and TensorBoard, not the history)
+                    (arrays if isinstance(v, np.ndarray) else metrics)[_metric_tag(part, name, k)] = v
         run, run.last_eval = self.run, step
         run.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
         run.save = run.best_of.track(metrics, step) or run.save
-        run.call("eval", state, step, epoch, metrics=metrics)
+        run.call("eval", state, step, epoch, metrics=metrics, arrays=arrays)
 
     def end_epoch(self, state, step, epoch, *, complete):
         """An epoch's end: last log, history row, hooks, due eval (`complete=False`: max_steps
@@ -2319,7 +2513,7 @@ class _Loop:
         self.log(state, step, epoch, due=True, sync=True)
         row = self.meter.means("epoch", reset=complete)  # (a cut epoch's sums go on on resume)
         run.record(row, ("epoch", epoch + 1), ("step", step))
-        run.best_of.track(row, step)  # (an eval/ monitor is not in the row: no-op)
+        run.save = run.best_of.track(row, step) or run.save  # (a train/ monitor's)
         run.call("epoch_end", state, step, epoch, metrics=row)
         last = self.plan.done(epoch + complete, step)
         if self.plan.eval_at_epoch_end(epoch + 1, last) and run.last_eval != step:
@@ -2356,19 +2550,47 @@ def _metric_tag(part, eval_set, metric):
     return f"{part}/{metric}" if eval_set is None else f"{part}/{eval_set}/{metric}"
 
 
-def _evaluate(steps, test, state, name=None, meter=None):
-    """Metrics over one eval set, summed on device, read once (`meter`: evals out of the rate)."""
+def _evaluate(steps, test, state, name=None, *, meter=None, python=None):
+    """Metrics over one eval set, `{name: float or ndarray}`: summed on device and read once (a
+    state merged on the host: each batch's read one batch late, as the next runs), then the ones
+    computed in Python (`python`); `meter`: its time is left out of the rate."""
     with meter.timed("eval") if meter else contextlib.nullcontext():
-        acc, step = steps.eval0[name], steps.eval[name]
+        acc, step, sums = steps.eval0[name], steps.eval[name], steps.eval_sums[name]
+        host, last = {}, {}
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), steps.put):
-            acc = step(state, acc, batch)
-        *sums, batches = jax.device_get(acc).tolist()
-    if not batches:
-        raise ValueError(f"fit: {test.name} yielded no batches; a generator can be iterated "
-                         f"only once: pass a list or a re-iterable loader.")
-    names = steps.eval_names[name]
-    return {k: _mean(k, total, weight, "eval_step", f"the eval set {test.name}")
-            for k, total, weight in zip(names, sums[:len(names)], sums[len(names):])}
+            acc, out = step(state, acc, batch)
+            host, last = _merged(host, last), out  # (the batch before this one's)
+        values = sums.read(jax.device_get(acc), _merged(host, last), f"the eval set {test.name}")
+        if values is None:
+            raise ValueError(f"fit: {test.name} yielded no batches; a generator can be iterated "
+                             f"only once: pass a list or a re-iterable loader.")
+        return {**values, **(python(state, test) if python else {})}
+
+
+def _merged(host, new):
+    """Metric states merged on the host: `host`'s with `new`'s (on the device), by name."""
+    new = jax.device_get(new) if new else new  # (no state merged on the host: no read)
+    return {k: host[k].merge(v) if k in host else v for k, v in new.items()}
+
+
+def _python_metrics(fns, view):
+    """`eval_metrics` as one function `(state, eval set) -> {name: float}`: each `fn(view(state),
+    batches)` runs on every process (it may call jitted code), and process 0's values hold."""
+    def compute(state, test):
+        values = []
+        for name, fn in fns.items():
+            value = fn(view(state), test)
+            try:
+                values.append(float(value))
+            except (TypeError, ValueError):
+                raise TypeError(f"fit: eval_metrics[{name!r}] must return a float, got "
+                                f"{type(value).__name__} {str(value)[:80]}.") from None
+        values = np.array(values, np.float64)
+        if jax.process_count() > 1:  # (as bytes: exact, whatever jax's float width)
+            values = np.frombuffer(np.asarray(multihost_utils.broadcast_one_to_all(
+                np.frombuffer(values.tobytes(), np.uint8))).tobytes(), np.float64)
+        return dict(zip(fns, values.tolist()))
+    return compute if fns else None
 
 
 # ==============================================================================================
@@ -2816,6 +3038,10 @@ def _verbosity(verbose):
 
 def _name(fn):
     return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _itself(x):
+    return x
 
 
 def _say(verbose, message):
