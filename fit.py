@@ -1351,6 +1351,7 @@ def _eval_step(state, test, config, mesh):
     who = "eval_step" if eval_step else config.loss_name
     shapes = _trace(inner, state, test.spec, config, not (eval_step or own) and "eval")
     sums = _EvalSums(_as_dict(shapes, "accuracy"), who)
+    _per_example(inner, state, test.spec, sums.arrays, who)
 
     def _eval_and_accumulate(state, acc, batch):
         rows = jax.tree.leaves(batch)[0].shape[0]
@@ -1378,6 +1379,11 @@ class _EvalSums:
         # The scalars an eval will give (a state's: its compute()'s keys, where they can be known).
         self.names = [n for k, v in shapes.items() if kinds[k] != "array" for n in (
             _computed_names(k, v) if kinds[k] in ("state", "host") else [k])]
+        given = self.names + list(self.arrays)
+        if len(set(given)) < len(given):
+            twice = sorted({n for n in given if given.count(n) > 1})
+            raise ValueError(f"fit: {who} gives the metric names {twice} twice (a metric state's "
+                             f"compute() keys among them); rename one.")
 
     def zeros(self):
         zero = lambda s, like=None: np.zeros((like or s).shape, _sum_dtype(s.dtype))
@@ -1414,6 +1420,9 @@ class _EvalSums:
         for k, state in {**acc["states"], **host}.items():
             out = state.compute()
             for name, value in (out.items() if isinstance(out, dict) else [(k, out)]):
+                if name in values:
+                    raise ValueError(f"fit: the metric {name!r} of eval_step is given twice (by "
+                                     f"{k!r}'s compute() and another); rename one.")
                 value = np.asarray(value)
                 values[name] = float(value) if value.ndim == 0 else value
         return values
@@ -1435,12 +1444,19 @@ def _eval_kind(name, value, who):
             raise TypeError(f"fit: {who} must return numbers (a per-batch mean, Weighted(total, "
                             f"weight), an array of counts) or metric states, but {name!r} is "
                             f"{getattr(part, 'dtype', type(part).__name__)}.")
-    if isinstance(value, Weighted) and np.broadcast_shapes(
-            value.total.shape, value.weight.shape) != value.total.shape:
+    if isinstance(value, Weighted) and not _broadcasts(value.weight.shape, value.total.shape):
         raise TypeError(f"fit: {who}'s Weighted {name!r} has a total of shape "
                         f"{value.total.shape} and a weight of shape {value.weight.shape}; the "
                         f"weight must be a scalar or broadcast to the total's shape.")
     return "scalar" if parts[0].shape == () else "array"
+
+
+def _broadcasts(shape, to):
+    """Whether an array of `shape` broadcasts to `to`."""
+    try:
+        return np.broadcast_shapes(shape, to) == to
+    except ValueError:
+        return False
 
 
 def _computed_names(name, state):
@@ -2784,6 +2800,27 @@ def _metric_names(metrics, who, default):
                                 f"shape {part.shape} and dtype {part.dtype}; reduce it with "
                                 f".mean() or .sum().")
     return list(_as_dict(metrics, default))
+
+
+def _per_example(fn, state, spec, arrays, who):
+    """Refuses an array metric whose shape follows the batch's rows (a value per example, where
+    a mean or counts were meant): traced again at twice the rows, its shape must not change."""
+    if not arrays:
+        return
+    double = jax.tree.map(lambda s: jax.ShapeDtypeStruct((2 * s.shape[0], *s.shape[1:]),
+                                                         s.dtype), spec)
+    try:
+        again = _as_dict(jax.eval_shape(fn, state, double), "accuracy")
+    except Exception:  # (a model of one batch size: it cannot tell)
+        return
+    for name, value in arrays.items():
+        if jax.tree.map(np.shape, again[name]) != jax.tree.map(np.shape, value):
+            shape, rows = jax.tree.leaves(value)[0].shape, jax.tree.leaves(spec)[0].shape[0]
+            raise TypeError(f"fit: {who} must return per-batch means (scalars), Weighted, arrays "
+                            f"of counts whose shape does not follow the batch (a confusion "
+                            f"matrix) or metric states, but {name!r} has shape {shape} for a "
+                            f"batch of {rows} rows: a value per example; reduce it with .mean() "
+                            f"or .sum().")
 
 
 def _warn_dtypes(new, old):

@@ -25,6 +25,11 @@ one `jax.distributed.initialize` for all of them), each with its own workdir `WO
 - `hookstop`: a long run that a hook on process 1 alone stops, at its log point of step 4.
 - `locked`:  a resume of run `mh_1`, whose lock another writer holds (process 0 takes it first,
              as "host test, pid 4242"): every process must raise the refusal process 0 got.
+- `python_metric`: `even`'s data for 3 epochs, monitored by `eval_metrics={"shifted": fn}`, fn
+             computed in Python on this process's own eval rows: their accuracy + 0.01 *
+             process_index (so the processes' own values differ); every process must record
+             and rank by process 0's. The child adds `computed` (the values its fn returned)
+             and `bests` (`run.best` after each eval) to its JSON.
 
 Per scenario the child writes `OUTDIR/<name>_<pid>.json` (run names and dirs, this process's
 pid, how many SummaryWriters it opened, the final step, the history, or the exception's type
@@ -153,6 +158,22 @@ def run_scenario(scenario, pid, nproc, workdir, outdir, writers):
             result["holder"].flush()
         if scenario == "locked":
             kw["resume"] = "mh_1"
+        if scenario == "python_metric":
+            computed = result["computed"] = []  # (this process's own values)
+            bests = result["bests"] = []
+
+            def shifted(state, batches):  # (the replicated params read on this host)
+                params, stats = jax.device_get((state.params, state.batch_stats))
+                hits = [np.asarray(Net().apply({"params": params, "batch_stats": stats}, x,
+                                               train=False)).argmax(-1) == y for x, y in batches]
+                computed.append(float(np.concatenate(hits).mean()) + 0.01 * jax.process_index())
+                return computed[-1]
+
+            def best_after_eval(event, run):
+                if event == "eval":
+                    bests.append(run.best)
+            kw.update(num_epochs=3, eval_metrics={"shifted": shifted}, monitor="eval/shifted",
+                      mode="max", hooks=[progress, best_after_eval])
         if scenario == "resume":
             kw.update(steps_per_jit=2)
             _, first = fit(make_state(), train, test, max_steps=5, **kw)
