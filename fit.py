@@ -101,11 +101,13 @@ __all__ = ["TrainState", "Weighted", "lr_schedule", "ema", "Options", "fit", "ev
 
 class TrainState(train_state.TrainState):
     """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the base key (None:
-    fit fills it from `seed`); step n draws `fold_in(rng, n)`, so randomness survives a resume and
+    fit fills it from `seed`): the update from step n to n + 1 draws `fold_in(rng, n)` (so the step
+    hooks and checkpoints call K drew `fold_in(rng, K - 1)`), so randomness survives a resume and
     the device count. `tx=None`: no optimizer, for `evaluate` and `load_ckpt`. Any flax
-    TrainState subclass trains too, every field saved and returned (e.g. `ema_params`)."""
-    batch_stats: Any = flax.struct.field(default_factory=dict)
-    rng: Any = None
+    TrainState subclass trains too, every field saved and returned (e.g. `ema_params`); this one's
+    two fields are keyword-only, so a subclass may add fields without defaults (a GAN's `disc`)."""
+    batch_stats: Any = flax.struct.field(default_factory=dict, kw_only=True)
+    rng: Any = flax.struct.field(default=None, kw_only=True)
 
     @classmethod
     def create(cls, *, apply_fn, params, tx=None, **kwargs):
@@ -122,13 +124,27 @@ class Weighted(collections.namedtuple("Weighted", "total weight")):
     __slots__ = ()
 
 
-def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0):
+def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0,
+                *, continue_from=None):
     """An optax schedule: linear warmup from `init_value` to `base_lr` over `warmup_epochs` (may be
     fractional), then a cosine decay reaching `end_value` exactly at the last step, `epochs *
-    steps_per_epoch - 1` (for arrays, `steps_per_epoch` is `ceil(len(x) / batch_size)`)."""
+    steps_per_epoch - 1` (for arrays, `steps_per_epoch` is `ceil(len(x) / batch_size)`).
+    `continue_from=n`, to train a finished run of n epochs on to `epochs` (`fit(...,
+    resume=True, num_epochs=epochs)`): its first n epochs' curve, then a warm restart (as SGDR's):
+    from the rate it ended at (`end_value`), a warmup over `warmup_epochs` back to `base_lr`, then
+    a cosine to `end_value` at the new last step."""
     for name, value in (("steps_per_epoch", steps_per_epoch), ("epochs", epochs)):
         if not _positive_int(value):
             raise ValueError(f"lr_schedule: {name} must be a positive integer, got {value!r}.")
+    if continue_from is not None:
+        if not (_positive_int(continue_from) and continue_from < epochs):
+            raise ValueError(f"lr_schedule: continue_from must be the epochs trained so far, a "
+                             f"positive integer below epochs={epochs}, got {continue_from!r}.")
+        before = lr_schedule(base_lr, steps_per_epoch, continue_from, warmup_epochs, init_value,
+                             end_value)
+        after = lr_schedule(base_lr, steps_per_epoch, epochs - continue_from, warmup_epochs,
+                            end_value, end_value)
+        return optax.join_schedules([before, after], [continue_from * steps_per_epoch])
     if not (isinstance(warmup_epochs, (int, float)) and 0 <= warmup_epochs < epochs):
         raise ValueError(f"lr_schedule: warmup_epochs must be >= 0 and below epochs, got "
                          f"warmup_epochs={warmup_epochs!r} and epochs={epochs!r}; lower one.")
@@ -380,26 +396,30 @@ def fit(state, train_ds, test_ds=None, **options):
     steps = _build_steps(state, train, tests, config, mesh)
     plan = _Plan(opts, train, tests, steps, state)
     verbose = _verbosity(opts.verbose)
-    _check_plan(state, opts, train, tests, plan.total)
+    _check_plan(opts, train, tests, plan.total)
 
     # 4. Open the run: claim it, restore its checkpoint if it goes on, set up the hooks.
-    batching = (train.batch_size * jax.process_count(), plan.steps_per_epoch)
+    batching = (train.global_batch, plan.steps_per_epoch)
     hparams = opts.hparams_used(plan, batching[0], mesh.size)
     builtin = ([ProgressBar(verbose)] if verbose else []) + (
         [TensorBoard(hparams)] if opts.tensorboard and jax.process_index() == 0 else [])
-    progress = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed,
-                         batching=batching)  # (filled from the checkpoint if the run goes on)
-    fresh_work = not plan.done(0, int(jax.device_get(state.step)))  # (else: claim no directory)
+    start = int(jax.device_get(state.step))  # (a loaded state's: the run counts epochs from it)
+    progress = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, start=start,
+                         batching=batching, options=_jsonable(hparams))  # (filled from the
+    fresh_work = not plan.done(0, start)  # checkpoint if the run goes on; else: claim nothing)
     ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, claim=fresh_work)
     state = ckpts.restore(state)  # (from here on, the run is held: closed on any exit)
     step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
     run = _Run(builtin + list(opts.hooks), plan, ckpts, progress)
+    _check_schedule(state, opts, run.total_steps)
     if plan.done(epoch, step) or run.stopping:  # (run.stopping: a hook's stop, for good)
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
+        run.history.timing = _Meter(steps, opts, progress.meter, step).timing(step)  # (no work)
         return model.finish(run.end(state, step, epoch)), run.history
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
-                  f"{step} on {mesh.size} device(s), best by {plan.monitor} ({plan.mode}); "
+                  f"{step} on {mesh.size} device(s), " + (f"best by {plan.monitor} ({plan.mode})"
+                  if plan.monitor else "no best: no metric whose name tells its mode") + "; "
                   f"tensorboard --logdir {ckpts.logs}")
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
@@ -672,6 +692,9 @@ class TensorBoard:
             if run.step == 0:  # once a run, so a crashed run shows them too; no experiment
                 # summary: with one per run, TensorBoard hides the other runs' columns
                 self.writer.file_writer.add_summary(hparams_summaries(self.hparams, {})[1])
+            if run.changed:  # (the HParams tab keeps the first call's values)
+                self.writer.add_text("options_changed", "\n".join(
+                    f"- {k}: {a!r} -> {b!r}" for k, (a, b) in run.changed.items()), run.step)
         elif self.writer is None:
             return
         elif event in ("log", "eval", "epoch_end", "save"):
@@ -907,11 +930,13 @@ def _putter(mesh, data_axis):
     whole = _replicated(mesh)
 
     def put(batch, stacked=False):
-        splits = jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
+        held = isinstance(batch, _Whole)  # (every process holds it all: no gather)
+        batch = tuple(batch) if held else batch
+        splits = not held and jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
         sharding = split[stacked] if splits else whole
         if processes == 1:
             return jax.device_put(batch, sharding)
-        if not splits:  # every device needs the whole global batch: gather all processes' rows
+        if not (splits or held):  # every device needs the whole global batch: gather all rows
             batch = jax.tree.map(lambda a: np.concatenate(a, axis=int(stacked)),  # (a host round
                                  multihost_utils.process_allgather(batch))  # trip, once an epoch)
         return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), batch)
@@ -961,8 +986,9 @@ class _Data:
         self.keys = opts.batch_keys  # (custom functions take batches as they come)
         self.custom = (opts.train_step if train else opts.eval_step) or opts.nnx_loss_fn
         self.steps_per_epoch = opts.steps_per_epoch if train else eval_steps
-        # (x, y): two arrays, or anything np.asarray takes that has a shape (torch, tf tensors)
-        self.arrays = isinstance(ds, (tuple, list)) and len(ds) == 2 and all(
+        # A tuple (x, y) of two arrays (or anything np.asarray takes that has a shape: torch, tf
+        # tensors) is arrays; a list is batches, whatever its length.
+        self.arrays = isinstance(ds, tuple) and len(ds) == 2 and all(
             hasattr(a, "__array__") and len(getattr(a, "shape", ())) > 0 for a in ds)
         self.stream, self.sizes, self.spec, self.kinds = False, None, None, None
         first = self._arrays(ds, opts.batch_size) if self.arrays else self._iterable(ds)
@@ -973,7 +999,9 @@ class _Data:
             raise ValueError(f"fit: {name} holds jax.Arrays spread over several processes; "
                              f"give each process its own rows (numpy arrays, or jax.Arrays on "
                              f"its own devices): fit makes the global batches.")
-        self.batch_size, self.ready = jax.tree.leaves(first)[0].shape[0], None
+        self.batch_size, self.ready = jax.tree.leaves(first)[0].shape[0], None  # (this process's)
+        if not self.arrays:  # (each process yields its share of every global batch)
+            self.global_batch = self.batch_size * jax.process_count()
         if self.sizes is None and isinstance(ds, (list, tuple)):  # in memory: check every batch
             checked = [self._convert(raw, i) for i, raw in enumerate(ds)]
             self.sizes = [len(jax.tree.leaves(batch)[0]) for batch in checked]
@@ -981,9 +1009,15 @@ class _Data:
                 self.ready = checked  # its batches as they will be fed, checked once
 
     def _arrays(self, ds, batch_size):
+        """Arrays (x, y): every process passes the same ones, and `batch_size` is the global
+        batch, of which each process takes its share: the same batches on any process count."""
         if batch_size is None:
             raise ValueError(f"fit: {self.name} is a pair of arrays (x, y); pass batch_size= so "
                              f"fit can batch them.")
+        if batch_size % jax.process_count():
+            raise ValueError(f"fit: batch_size={batch_size} is the global batch of {self.name} "
+                             f"(every process passes the same arrays and takes its share of each "
+                             f"batch), so it must divide by the {jax.process_count()} processes.")
         # jax.Arrays stay on their devices: their batches are gathered there, not on the host.
         x, y = (a if isinstance(a, jax.Array) else np.asarray(a) for a in ds)
         self.x, self.y, n = x, y, len(x)
@@ -992,10 +1026,21 @@ class _Data:
                              f"number of examples, got {n} inputs and {len(self.y)} targets.")
         self.length = min(math.ceil(n / batch_size), self.steps_per_epoch or math.inf)
         self.sizes = [min(batch_size, n - i * batch_size) for i in range(self.length)]
-        self.rows = lambda idx: (x[idx], y[idx])
+        self.rows, self.global_batch = (lambda idx: (x[idx], y[idx])), batch_size
         if isinstance(x, jax.Array) or isinstance(y, jax.Array):
             self.rows = self._device_rows
-        return self._convert((self.x[:batch_size], self.y[:batch_size]), 0)
+        return self._convert(tuple(self._batch(np.arange(n), 0)), 0)
+
+    def _batch(self, order, i):
+        """Batch `i` of arrays in `order` (rows sorted: a memory-mapped file is read in order):
+        this process's share of the global batch, or all of it (`_Whole`) if it does not split
+        evenly over the processes."""
+        rows = np.sort(order[i * self.global_batch:(i + 1) * self.global_batch])
+        processes, p = jax.process_count(), jax.process_index()
+        if processes > 1 and len(rows) % processes:
+            return _Whole(self.rows(rows))
+        share = len(rows) // processes
+        return self.rows(rows[p * share:(p + 1) * share])
 
     def _device_rows(self, idx):
         """Rows `idx` of x and y where each is: device arrays' in one call, numpy's on the host."""
@@ -1021,11 +1066,22 @@ class _Data:
         self.length = len(ds) if hasattr(ds, "__len__") and not self.stream else None
         return self._convert(raw, 0)
 
-    def __iter__(self):  # one pass of the batches, as `eval_metrics` functions get an eval set
+    def __iter__(self):
+        """One pass of the batches, as `eval_metrics` functions get an eval set: every global
+        batch of arrays (each process has them all), this process's own batches of the rest."""
+        if self.arrays:
+            n = self.global_batch
+            return (self.rows(np.arange(i * n, min((i + 1) * n, len(self.x))))
+                    for i in range(self.length))
         return (batch for batch, _ in self.epoch(0))
 
     def describe(self):
         """What processes must agree on: batch count ('?': unknown), sizes, first batch's shapes."""
+        if self.arrays:  # the same arrays on every process: their size and a few rows' hash
+            ends = [np.asarray(a[i]).tobytes() for a in (self.x, self.y) for i in (0, -1)]
+            digest = hashlib.sha256(b"".join(ends)).hexdigest()[:12]
+            return (f"{self.name}: arrays of {len(self.x)} rows (hash {digest}), batch_size="
+                    f"{self.global_batch}")
         counts = sorted(collections.Counter(self.sizes or []).items())
         sizes = ", ".join(f"{k} of {n}" for n, k in counts)
         shapes = ", ".join(f"{s.shape} {s.dtype}" for s in jax.tree.leaves(self.spec))
@@ -1074,14 +1130,11 @@ class _Data:
 
     def epoch(self, epoch, skip=0, data_state=None):
         """One epoch's `(batch, position)`, skipping `skip` batches (trained before a resume)."""
-        if self.arrays:
+        if self.arrays:  # (the order of all the rows: the same on every process)
             order = np.arange(len(self.x))
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(order)
-            rows, n = self.rows, self.batch_size
-            for i in range(skip, self.length):
-                # (sorted: the rows of a memory-mapped file are read in order)
-                yield rows(np.sort(order[i * n:(i + 1) * n])), (i + 1, None)
+            yield from ((self._batch(order, i), (i + 1, None)) for i in range(skip, self.length))
             return
         if self.ready is not None:  # a list: nothing to check again
             for i in range(skip, min(len(self.ready), self.steps_per_epoch or math.inf)):
@@ -1124,6 +1177,11 @@ class _Data:
 
 
 _take = jax.jit(lambda arrays, idx: [a[idx] for a in arrays])  # (jnp's indexing: ~30 us more)
+
+
+class _Whole(tuple):
+    """A batch that every process holds all of (arrays' last batch where it does not split over
+    the processes): placed whole on every device, with no gather."""
 
 
 def _position(iterator):
@@ -1231,9 +1289,8 @@ def _platform(mesh):
 
 
 _Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put "
-                                          "train_sums train_names eval_sums lr_known "
-                                          "weighted_loss",
-                                defaults=(None,) * 12)  # (built by name)
+                                          "train_sums train_names eval_sums weighted_loss",
+                                defaults=(None,) * 11)  # (built by name)
 
 
 def _build_steps(state, train, tests, config, mesh):
@@ -1298,10 +1355,11 @@ def _new_steps(state, train, tests, config, mesh):
     traced = _metric_names(metrics, who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
-    # The lr a step used, from the state after it: lr_fn(step), or inject_hyperparams' value.
+    # The lrs a step used, from the state after it: lr_fn(step), or inject_hyperparams' values.
+    lrs = [""] if config.lr_fn is not None else list(_lr_in(state.opt_state))
     lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn is not None else (
-        lambda s: _lr_in(s.opt_state)) if _lr_in(state.opt_state) is not None else None
-    one = functools.partial(_train_and_accumulate, _Train(step_fn, _TrainSums(names), lr_of,
+        lambda s: jnp.stack(list(_lr_in(s.opt_state).values()))) if lrs else None
+    one = functools.partial(_train_and_accumulate, _Train(step_fn, _TrainSums(names, lrs), lr_of,
                                                           config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
@@ -1312,7 +1370,7 @@ def _new_steps(state, train, tests, config, mesh):
     eval_fns, eval_sums = _eval_steps(state, tests, config, mesh)  # (after: train advice first)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
     return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=one.args[0].sums,
-                  train_names=names + norms, eval_sums=eval_sums, lr_known=lr_of is not None,
+                  train_names=names + norms, eval_sums=eval_sums,
                   weighted_loss=isinstance(metrics.get("loss"), Weighted))
 
 
@@ -1636,8 +1694,8 @@ def _train_and_accumulate(train, state, acc, batch):
     config, skip = train.config, train.config.skip
     new_state, metrics = train.step_fn(state, batch)
     _warn_dtypes(new_state, state)
-    # "skip" checks the parameters' norm every step, to drop an update that makes them non-finite.
-    norm = optax.tree.norm(new_state.params) if skip else _log_norm(state, config, new_state.params)
+    # "skip" checks the whole state every step, to drop an update that makes it non-finite.
+    norm = _param_norm(new_state) if skip else _log_norm(state, config, new_state.params)
     norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)], jnp.float32)
     values = _totals_and_weights([metrics[k] for k in train.sums.names], 1)
     finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
@@ -1656,27 +1714,28 @@ _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not
 
 
 class _TrainSums:
-    """The train steps' sums, one layout: made from the step's metric names, added to in the
-    compiled step (`add`), read on the host at log points (`read`). Two arrays, as on XLA's CPU
-    every small op and output costs microseconds: `sums` (float32) [each metric's total, each
-    one's weight (a mean: 1 a step), a log step's grad_norm and param_norm and 1 once set, the
-    lr]; `count` (int32) [steps summed, non-finite steps, the first of them]."""
+    """The train steps' sums, one layout: made from the step's metric names and its learning
+    rates' labels, added to in the compiled step (`add`), read on the host at log points (`read`).
+    Two arrays, as on XLA's CPU every small op and output costs microseconds: `sums` (float32)
+    [each metric's total, each one's weight (a mean: 1 a step), a log step's grad_norm and
+    param_norm and 1 once set, the lrs]; `count` (int32) [steps summed, non-finite steps, the
+    first of them]."""
 
-    def __init__(self, names):
-        self.names = tuple(names)
+    def __init__(self, names, lrs=()):
+        self.names, self.lrs = tuple(names), tuple(lrs)  # (lrs: "" for one, else by label)
 
     def zeros(self):
-        return {"sums": np.zeros(2 * len(self.names) + 4, np.float32),
+        return {"sums": np.zeros(2 * len(self.names) + 3 + max(len(self.lrs), 1), np.float32),
                 "count": np.zeros(3, np.int32)}
 
     def add(self, acc, values, norms, lr, *, finite, kept, at_log, step):
         """Traced: a step's [2, n] totals and weights `values`, its [grad_norm, param_norm] (kept
-        at a log step), its lr (None: none known), whether it was `finite` and `kept` (summed)."""
+        at a log step), its lrs (None: none known), whether it was `finite` and `kept` (summed)."""
         n, (steps, n_bad, first_bad) = len(self.names), acc["count"]
         sums = acc["sums"]
         totals, weights, old_norms, old_lr = (sums[:n], sums[n:2 * n], sums[2 * n:2 * n + 3],
                                               sums[2 * n + 3:])
-        lr = old_lr if lr is None else jnp.reshape(lr, 1).astype(jnp.float32)
+        lr = old_lr if lr is None else jnp.reshape(lr, -1).astype(jnp.float32)
         first_bad = jnp.where((n_bad == 0) & ~finite, step.astype(jnp.int32), first_bad)
         count = jnp.stack([steps + kept, n_bad + ~finite, first_bad])
         # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
@@ -1686,12 +1745,13 @@ class _TrainSums:
 
     def read(self, acc):
         """On the host: `(steps, non-finite steps, the first, {name: [total, weight]}, the log
-        step's [grad_norm, param_norm] or None, lr)`."""
+        step's [grad_norm, param_norm] or None, {train/lr tag: value})`."""
         n, sums = len(self.names), acc["sums"].tolist()
         steps, n_bad, first_bad = (int(v) for v in acc["count"])
         grad_norm, param_norm, is_set = sums[2 * n:2 * n + 3]
         values = {k: [t, w] for k, t, w in zip(self.names, sums[:n], sums[n:2 * n])}
-        return steps, n_bad, first_bad, values, is_set and [grad_norm, param_norm], sums[-1]
+        lrs = {f"train/lr/{k}".rstrip("/"): v for k, v in zip(self.lrs, sums[2 * n + 3:])}
+        return steps, n_bad, first_bad, values, is_set and [grad_norm, param_norm], lrs
 
 
 def _at_log(state, config):
@@ -1700,7 +1760,13 @@ def _at_log(state, config):
 
 
 def _param_norm(state):
-    return optax.tree.norm(state.params)
+    """The parameters' norm, or NaN if any floating leaf of the state is NaN (a nested TrainState,
+    the optimizer's moments): finite means fit may save the state. (+-inf stays legitimate outside
+    the params: optax's reduce_on_plateau starts at inf.)"""
+    nan = [jnp.isnan(x).any() for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype,
+                                                                               jnp.inexact)]
+    return jnp.where(functools.reduce(jnp.logical_or, nan, False), jnp.nan,
+                     optax.tree.norm(state.params))
 
 
 def _log_norm(state, config, tree):
@@ -1740,6 +1806,11 @@ class _Plan:
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, steps.train_names,
                                                 eval_names, self.ema)
 
+    def end(self, start):
+        """The run's last step, from `start`, the state's step when it began (None: unknown)."""
+        planned = self.steps_per_epoch and start + self.steps_per_epoch * self.num_epochs
+        return min([n for n in (planned, self.max_steps) if n], default=None)
+
     def due(self, name, step, k=1):
         """Whether the steps (step - k, step] include a multiple of that period."""
         every = self.every[name]
@@ -1774,9 +1845,9 @@ def _pick_monitor(monitor, mode, train_names, eval_names, averaged=False):
     if monitor is None:
         first, metrics = next(iter(eval_names.items()), (None, []))
         preferred = [n for n in ("accuracy", "loss") if n in metrics] + metrics
-        own = [n for n in ("loss", *train_names) if n in train_names and n not in _NORMS]
-        monitor = _metric_tag("eval", first, preferred[0]) if preferred else \
-            own and f"train/{own[0]}"
+        own = [f"train/{n}" for n in ("loss", *train_names) if n in train_names and n not in
+               _NORMS and (mode != "auto" or _mode_of(n))]  # (one whose name tells its mode)
+        monitor = _metric_tag("eval", first, preferred[0]) if preferred else own and own[0]
         if not monitor:
             return None, None
     if monitor not in names:
@@ -1784,20 +1855,22 @@ def _pick_monitor(monitor, mode, train_names, eval_names, averaged=False):
         raise ValueError(f"fit: monitor={monitor!r} is not a metric of this run; it has {names}"
                          f"{f'. Did you mean {near[0]!r}?' if near else ''} (Arrays, such as a "
                          f"confusion matrix, cannot be the monitor.)")
-    if mode == "auto":
-        words = set(re.split(r"[^a-z0-9]+", monitor.split("/")[-1].lower()))
-        lower = {"loss", "err", "error", "perplexity", "ppl", "mse", "mae", "rmse", "nll", "bce",
-                 "ce", "kld", "kl", "wer", "cer", "fid"}
-        higher = {"accuracy", "acc", "top1", "top5", "f1", "auc", "precision", "recall", "iou",
-                  "dice", "bleu", "rouge", "psnr", "ssim", "r2", "map", "score", "reward"}
-        if words & lower and not words & higher:
-            mode = "min"
-        elif words & higher and not words & lower:
-            mode = "max"
-        else:
-            raise ValueError(f"fit: cannot tell from its name whether monitor={monitor!r} is "
-                             f"better higher or lower; pass mode='min' or mode='max'.")
-    return monitor, mode
+    if mode == "auto" and not _mode_of(monitor):
+        raise ValueError(f"fit: cannot tell from its name whether monitor={monitor!r} is "
+                         f"better higher or lower; pass mode='min' or mode='max'.")
+    return monitor, mode if mode != "auto" else _mode_of(monitor)
+
+
+def _mode_of(monitor):
+    """"min" or "max" as a metric's name says (loss, accuracy, ...), else None."""
+    words = set(re.split(r"[^a-z0-9]+", monitor.split("/")[-1].lower()))
+    lower = {"loss", "err", "error", "perplexity", "ppl", "mse", "mae", "rmse", "nll", "bce",
+             "ce", "kld", "kl", "wer", "cer", "fid"}
+    higher = {"accuracy", "acc", "top1", "top5", "f1", "auc", "precision", "recall", "iou",
+              "dice", "bleu", "rouge", "psnr", "ssim", "r2", "map", "score", "reward"}
+    if bool(words & lower) != bool(words & higher):
+        return "min" if words & lower else "max"
+    return None
 
 
 def _is_eval(monitor):
@@ -1813,16 +1886,20 @@ class _Progress:
     item `meta`): fields, defaults, reader (a missing field: its default), writer, resume checks."""
     epoch: int = 0
     position: Any = (0, None)  # batches done in the epoch, the data iterator's state after them
+    positions: Any = None      # each process's position (several processes), by process index
     meter: Any = None          # the train metrics' sums (_Meter.sums)
     history: Any = dataclasses.field(default_factory=lambda: {"epoch": [], "step": []})
     best: Any = None           # the best monitored value, its step, the kept best values
     best_step: Any = None
     top: Any = dataclasses.field(default_factory=list)
-    hooks: Any = dataclasses.field(default_factory=dict)  # get_state() of hooks, by position
+    hooks: Any = dataclasses.field(default_factory=dict)  # get_state() of hooks, by _hook_names
     stop: Any = None           # a hook's stop, which is final (a signal's stop is resumable)
     target: Any = (None, None)  # num_epochs and max_steps of the call that wrote it
     seed: Any = None
     batching: Any = (None, None)  # the global batch size and the batches per epoch
+    start: int = 0             # the state's step when the run began (a loaded state's)
+    options: Any = None        # the HParams of the call that wrote it (a resume says changes)
+    changed = {}  # (not saved: {option: (before, now)} of a resumed call)
 
     @classmethod
     def read(cls, meta):
@@ -1833,26 +1910,41 @@ class _Progress:
         return _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     def check(self, run, seed, batching):
-        """Checks the seed (shuffles, keys) and batching against the run's (None: not known)."""
+        """Checks the seed (shuffles, keys) and batching against the run's (None: not known), and
+        the process count where each process's data loader has a position of its own."""
+        processes, positions = jax.process_count(), self.positions or [self.position]
+        if len(positions) != processes and any(p and p[1] is not None for p in positions):
+            raise ValueError(f"fit: run {run} was saved by {len(positions)} process(es), each at "
+                             f"its own place in its data loader (get_state); resume it on "
+                             f"{len(positions)} process(es), this call has {processes}, or start "
+                             f"a fresh run. (Arrays (x, y) resume on any process count.)")
         if self.seed is not None and self.seed != seed:
             raise ValueError(f"fit: run {run} was trained with seed={self.seed}; resume it with "
                              f"that seed, or start a fresh run.")
         if any(a is not None and b is not None and a != b for a, b in zip(self.batching, batching)):
-            n, processes = self.batching[0], jax.process_count()
-            option = "" if n is None or n % processes else (
-                f" (arrays (x, y): batch_size={n // processes}"
-                f"{f' in each of the {processes} processes' if processes > 1 else ''})")
+            n = self.batching[0]
+            option = "" if n is None else f" (arrays (x, y): batch_size={n})"
             raise ValueError(f"fit: run {run} was trained with a global batch size of {n} and "
                              f"{self.batching[1]} batches per epoch, this call feeds {batching[0]}"
                              f" and {batching[1]}: resume it with its own batch size{option} and "
                              f"data, or start a fresh run (resume=False).")
 
-    def go_on(self, saved):
-        """This call's progress from a checkpoint's (`saved`), keeping this call's target, seed and
-        batching; a hook's stop holds only if the run goes no further than that one did."""
-        for name in {f.name for f in dataclasses.fields(self)} - {"target", "seed", "batching"}:
+    def go_on(self, saved, step):
+        """This call's progress from a checkpoint's (`saved`, of `step`), keeping this call's
+        target, seed, batching and options; a hook's stop holds only if the run goes no further
+        than that one did. Options that differ from the saved call's are recorded."""
+        keep = {"target", "seed", "batching", "options"}
+        for name in {f.name for f in dataclasses.fields(self)} - keep:
             setattr(self, name, getattr(saved, name))
+        if saved.positions and len(saved.positions) == jax.process_count():  # (each its own)
+            self.position = saved.positions[jax.process_index()]
         self.stop = saved.stop if saved.final(*self.target) else None
+        before, now = saved.options or {}, self.options or {}
+        self.changed = {k: (before.get(k), now.get(k)) for k in sorted({*before, *now})
+                        if before and before.get(k) != now.get(k)}
+        if self.changed:  # (TensorBoard keeps an HParams tag's first values: said in the history)
+            self.history.setdefault("options_changed", []).append(f"step {step}: " + ", ".join(
+                f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items()))
 
     def final(self, num_epochs, max_steps):
         """Whether a hook ended the run for good: it goes on only if asked to go further."""
@@ -1946,7 +2038,7 @@ class _Checkpoints:
             state, meta = _restore(self.mgr, self.saved, state, "fit")
             saved = _Progress.read(meta)
             saved.check(self.run, self.progress.seed, self.progress.batching)
-            self.progress.go_on(saved)
+            self.progress.go_on(saved, self.saved)
         except BaseException:
             self.close()  # (the manager's threads and fit's log filter end with it)
             raise
@@ -2140,9 +2232,11 @@ class _Run:
 
     def __init__(self, hooks, plan, ckpts, progress):
         best = self.best_of = ckpts.best
-        self.hooks, self.hook_states = hooks, progress.hooks
+        self.hooks, self.hook_names = hooks, _hook_names(hooks)
+        self.hook_states = _hook_states(progress.hooks, hooks, self.hook_names)
         best.go_on(progress)
-        self.total_steps, self.num_epochs = plan.total, plan.num_epochs
+        self.total_steps, self.num_epochs = plan.end(progress.start), plan.num_epochs
+        self.changed = progress.changed  # (the options a resume changed: TensorBoard shows them)
         self.monitor, self.mode = best.monitor, best.mode
         self.log_dir, self.ckpt_dir, self.writer = ckpts.log_dir, ckpts.ckpt_dir, None
         # The run's name, and an id that no other workdir's run of that name has (for trackers)
@@ -2166,7 +2260,7 @@ class _Run:
         self.metrics, self.stop, self.save = metrics or {}, False, self.save or save
         self.arrays, logged = arrays or {}, dict(self.metrics)
         self.stopping = self.stopping or stop
-        for i, hook in enumerate(self.hooks):
+        for hook, name in zip(self.hooks, self.hook_names):
             # Your hooks' time is left out of steps/s (`hooks_s`); the built-in ones' stays in.
             with contextlib.nullcontext() if type(hook) in (ProgressBar, TensorBoard) or \
                     not self.meter else self.meter.timed("hooks"):
@@ -2181,8 +2275,8 @@ class _Run:
                                  f"with fit(..., eval_metrics={{name: fn(state, batches)}}).")
             if self.stop and not self.stopping:
                 self.stopping = _name(hook)
-            if event == "train_start" and str(i) in self.hook_states and hasattr(hook, "set_state"):
-                hook.set_state(self.hook_states[str(i)])  # what it had at the checkpoint
+            if event == "train_start" and name in self.hook_states and hasattr(hook, "set_state"):
+                hook.set_state(self.hook_states[name])  # what it had at the checkpoint
         if jax.process_count() > 1 and event != "train_end":  # (a collective all reach)
             _agree_on_stops(self)
         return self.state
@@ -2249,7 +2343,7 @@ class _Meter:
         # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
         self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
         self.pending, self.calls = collections.deque(), 0  # log points to read, calls made
-        self.lr, self.logged, self.first_step = None, step, step
+        self.lr, self.logged, self.first_step = {}, step, step
         self.compiled, self.inflight, self.compile_shown = {}, collections.deque(), 0.0
         # The batch shapes fed since the last log point, where they changed (_agree_shapes).
         self.shape, self.changes, self.fed, self.said = None, [], step, set()
@@ -2264,7 +2358,9 @@ class _Meter:
         self.summed, self.weighted = 0, steps.weighted_loss and "loss" in steps.train_sums.names
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
         self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
-        self.estimate = {}  # XLA's memory estimate of the compiled step, per device (the largest)
+        # XLA's memory estimate of the compiled step, per device (the largest shape's)
+        self.estimate = dict.fromkeys(("step_argument_bytes", "step_output_bytes",
+                                       "step_temp_bytes"))
         self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
 
     def dispatch(self, state, batch, k, *, epoch=0, position=(0, None)):
@@ -2281,6 +2377,9 @@ class _Meter:
             state, self.acc = train(state, self.acc, batch)
             self.rows, self.flops = self.rows + cost[0], self.flops + cost[1]
         else:  # one wait per new shape, so compile time is kept out of the rate
+            if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
+                _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build"
+                                   " it with optax.inject_hyperparams(...), or pass lr_fn=.")
             try:
                 with self.timed("compile", k):
                     # Compiled ahead, to read XLA's estimates; the call below reuses the executable.
@@ -2320,13 +2419,13 @@ class _Meter:
         if memory is not None:
             new = {f"step_{part}_bytes": getattr(memory, f"{part}_size_in_bytes")
                    for part in ("argument", "output", "temp")}
-            if not self.estimate:
+            if self.estimate["step_argument_bytes"] is None:  # (the first shape's: said)
                 total = sum(new.values()) - memory.alias_size_in_bytes  # (the donated state)
                 parts = ", ".join(f"{name} {_megabytes(n)}" for name, n in zip(
                     ("arguments", "outputs", "temporaries"), new.values()))
                 _say(self.verbose, f"fit: the compiled train step needs about {_megabytes(total)}"
                                    f" per device ({parts}: XLA's estimate).")
-            self.estimate = {key: max(v, self.estimate.get(key, 0)) for key, v in new.items()}
+            self.estimate = {key: max(v, self.estimate[key] or 0) for key, v in new.items()}
         return rows, flops
 
     def read(self, step, log_due, sync=False):
@@ -2375,7 +2474,7 @@ class _Meter:
             part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
                        for k, v in values.items()}
         self.sums["skipped"] += n_bad
-        self.lr = float(lr) if self.steps.lr_known else None
+        self.lr = lr
 
     def _interval(self, step):
         """The means of the interval that ends at `step`, with the learning rate and speed."""
@@ -2383,12 +2482,11 @@ class _Meter:
             return []
         means = {**self.means("log"), **self.norms}  # (no means: every step was skipped)
         self.norms = {}
-        if self.lr is not None:
-            means["train/lr"] = self.lr
+        means |= self.lr
         now, rate = time.perf_counter(), self.steady_rate(step)
         if rate:
             means["perf/steps_per_s"] = rate
-            means |= {f"perf/{k}": v for k, v in self.speed(step).items()}
+            means |= {f"perf/{k}": v for k, v in self.speed(step).items() if v is not None}
         waited = self.spent["data"][0] - self.data_logged
         means["perf/data_wait_fraction"] = waited / max(now - self.t_logged, 1e-9)
         if self.spent["compile"][0] > self.compile_shown:  # at first, then for each new shape
@@ -2397,12 +2495,13 @@ class _Meter:
         return [(step, means)]
 
     def check(self, step, norm, state=None):
-        """A non-finite parameters' `norm` (of `state`, before a save) raises: no NaN is saved."""
+        """A non-finite parameters' `norm` (of `state`, before a save: a NaN anywhere in it too)
+        raises: no NaN is saved."""
         if state is not None:
             norm = float(self.steps.param_norm(state))
         if not (math.isfinite(norm) or self.skipping):
-            self._nonfinite(f"parameters or gradients (NaN or Inf) at step {step}, in the log "
-                            f"interval after step {self.logged}")
+            self._nonfinite(f"parameters, gradients or state (NaN or Inf) at step {step}, in "
+                            f"the log interval after step {self.logged}")
 
     @staticmethod
     def _nonfinite(what):
@@ -2455,15 +2554,15 @@ class _Meter:
     def speed(self, step):
         """Over the steady time of this call: `examples_per_s` (all processes' rows);
         `tokens_per_s` (a `Weighted` loss: its mean weight a step x steps/s); `tflops_per_s` per
-        device; `mfu` (over the dense bf16 peak); `memory_gb` (a device's peak; not on CPU)."""
+        device; `mfu` (over the dense bf16 peak); `memory_gb` (a device's peak; not on CPU). None:
+        not known (no steady step yet)."""
         seconds, rate = self.steady_seconds(), self.steady_rate(step)
-        out = {"examples_per_s": self.rows / seconds} if rate else {}
-        if rate and self.weighted and self.summed:
-            out["tokens_per_s"] = self.tokens / self.summed * rate
-        if rate and self.flops:
-            out["tflops_per_s"] = self.flops / seconds / 1e12
-            if self.peak:
-                out["mfu"] = out["tflops_per_s"] / self.peak
+        out = {"examples_per_s": rate and self.rows / seconds,
+               "tflops_per_s": rate and self.flops and self.flops / seconds / 1e12 or None}
+        if self.weighted:
+            out["tokens_per_s"] = rate and self.summed and self.tokens / self.summed * rate or None
+        if self.peak:
+            out["mfu"] = out["tflops_per_s"] and out["tflops_per_s"] / self.peak
         if self.devices:  # (read at log points only: a query per device)
             out["memory_gb"] = max(d.memory_stats().get("peak_bytes_in_use", 0)
                                    for d in self.devices) / 1e9
@@ -2548,17 +2647,36 @@ class _Loop:
             if run.stopping:
                 run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
             best, value = run.best_of, run.best_of.rank(step)  # (first: the record holds it)
+            position = position if position[0] else (0, None)
             vars(self.ckpts.progress).update(
-                epoch=epoch, position=position if position[0] else (0, None), meter=meter.sums,
+                epoch=epoch, position=position, positions=_gathered(position), meter=meter.sums,
                 history=run.history, best=best.value, best_step=best.step, top=best.top,
                 stop=None if run.stopping in _SIGNALS else run.stopping,
-                hooks={str(i): h.get_state() for i, h in enumerate(run.hooks)
+                hooks={name: h.get_state() for h, name in zip(run.hooks, run.hook_names)
                        if hasattr(h, "get_state")})
             self.ckpts.save(step, state, value)
         run.save = False
         if run.stopping in _SIGNALS:
             _say(self.verbose, f"fit: stopped by {run.stopping} at step {step}; checkpoint "
                                f"saved, continue with resume=True.")
+
+
+def _hook_names(hooks):
+    """Each hook's stable name, the key of its saved state, the same on every process whatever
+    `verbose` and `tensorboard`: its `name` attribute, else its class's or function's name; the
+    n-th hook of one name is `<name>_<n>`."""
+    bases = [getattr(hook, "name", None) or _name(hook) for hook in hooks]
+    return [b if not bases[:i].count(b) else f"{b}_{bases[:i].count(b) + 1}"
+            for i, b in enumerate(bases)]
+
+
+def _hook_states(saved, hooks, names):
+    """A checkpoint's hook states by name; one written before #40 keyed them by position among all
+    hooks (the built-in ones' count varied): its states go to the hooks that keep one, in order."""
+    if not saved or not all(key.isdigit() for key in saved):
+        return saved
+    keeping = [name for hook, name in zip(hooks, names) if hasattr(hook, "set_state")]
+    return dict(zip(keeping, [saved[key] for key in sorted(saved, key=int)]))
 
 
 def _metric_tag(part, eval_set, metric):
@@ -2658,9 +2776,12 @@ def _check_data(train, tests, opts, mesh):
     """The batching, and that every process feeds the same batches' count and shapes (else a
     collective hangs): every process compares the same table, once, and raises the same error."""
     if opts.batch_size is not None and not any(d.arrays for d in (train, *tests.values())):
-        raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data (x, y), but "
-                         f"train_ds and test_ds yield their own batches; drop batch_size.")
+        raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data, a tuple (x, "
+                         f"y), but train_ds and test_ds yield their own batches (a list is "
+                         f"batches); drop batch_size, or pass the arrays as a tuple (x, y).")
     n, d = train.batch_size, _local_shards(mesh, opts.axis_name or "data")
+    if train.arrays:  # (said in global numbers: batch_size is the global batch)
+        n, d = train.global_batch, d * jax.process_count()
     if n % d:
         raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
                          f"devices ({d}); use {n - n % d or d} or {n + d - n % d}. (Only a smaller "
@@ -2680,10 +2801,8 @@ def _check_data(train, tests, opts, mesh):
                "the processes' data disagree")
 
 
-def _check_plan(state, opts, train, tests, total):
-    """Raises for a one-shot iterator (a generator) that the run would read more than once; warns
-    for a learning rate that reaches its final value before half the run and stays near 0 after,
-    e.g. a schedule built with the wrong steps_per_epoch (`len((x, y))` is 2)."""
+def _check_plan(opts, train, tests, total):
+    """Raises for a one-shot iterator (a generator) that the run would read more than once."""
     if train.stream and opts.num_epochs > 1 and not opts.steps_per_epoch:
         raise ValueError(f"fit: train_ds is a one-shot iterator (a generator), read only once, "
                          f"but num_epochs={opts.num_epochs}; pass a re-iterable (a list, a loader,"
@@ -2696,31 +2815,46 @@ def _check_plan(state, opts, train, tests, total):
             raise ValueError(f"fit: {test.name} is a one-shot iterator (a generator), read only "
                              f"once, but this run evaluates about {evals} times; pass a "
                              f"re-iterable (a list, a loader, arrays (x, y) with batch_size=).")
-    if jax.process_index() != 0 or not total or total < 4:
-        return
-    steps = np.linspace(0, total - 1, 65).astype(np.int32)
 
-    # An inject_hyperparams schedule's lr at `step`: with no public call for it, the count of the
+
+def _check_schedule(state, opts, end):
+    """Warns for a learning rate that, over the run's steps from the state's to `end`, reaches
+    its final value before half of them and stays near 0 after (a schedule built with the wrong
+    steps_per_epoch: `len((x, y))` is 2), or is 0 throughout (a spent schedule, in a new run from
+    a loaded state). Each rate that `optax.inject_hyperparams` keeps, or `lr_fn`."""
+    start = int(jax.device_get(state.step))
+    if jax.process_index() != 0 or not end or end - start < 4:
+        return
+    steps = np.linspace(start, end - 1, 65).astype(np.int32)
+    is_schedule = lambda x: type(x).__name__ == "WrappedScheduleState"
+
+    # An inject_hyperparams schedule's lrs at `step`: with no public call for it, the count of each
     # schedule's state (found by class name) is set, and one update run.
     def scheduled(step):
-        s = state.tx.init({})
-        wrapped = optax.tree.get(s, "WrappedScheduleState")
-        s = optax.tree.set(s, WrappedScheduleState=wrapped._replace(count=step))
+        s = jax.tree.map(lambda x: x._replace(count=step) if is_schedule(x) else x,
+                         state.tx.init({}), is_leaf=is_schedule)
         return _lr_in(state.tx.update({}, s, {})[1])
     try:
-        lrs = jax.jit(jax.vmap(opts.lr_fn or scheduled))(steps)
+        found = jax.jit(jax.vmap(opts.lr_fn or scheduled))(steps)
     except Exception:  # no schedule that fit can see: nothing to say
         return
-    lrs = np.asarray(lrs, np.float64)
-    moving = np.flatnonzero(lrs != lrs[-1])
-    if not len(moving) or abs(lrs[-1]) > 0.01 * np.abs(lrs).max():
-        return
-    end = int(steps[moving[-1] + 1])
-    if end < total / 2:
-        warnings.warn(f"fit: the learning-rate schedule reaches its final value {lrs[-1]:.3g} at "
-                      f"about step {end}, but this run trains {total} steps. Was it built for "
-                      f"this run (e.g. lr_schedule(steps_per_epoch=...): array data gives "
-                      f"ceil(len(x) / batch_size) steps per epoch)?", stacklevel=3)
+    for label, lrs in (found.items() if isinstance(found, dict) else [("", found)]):
+        lrs, which = np.asarray(lrs, np.float64), f" ({label})" if label else ""
+        moving = np.flatnonzero(lrs != lrs[-1])
+        if not len(moving) and lrs[-1] == 0:
+            warnings.warn(f"fit: the learning rate{which} is 0 at every step of this run, steps "
+                          f"{start} to {end}: its schedule is spent (a state loaded at step "
+                          f"{start}?). Build the optimizer with a schedule for these steps, e.g. "
+                          f"lr_schedule(..., continue_from=...).", stacklevel=3)
+        if not len(moving) or abs(lrs[-1]) > 0.01 * np.abs(lrs).max():
+            continue
+        final = int(steps[moving[-1] + 1])
+        if final < (start + end) / 2:
+            warnings.warn(f"fit: the learning-rate schedule{which} reaches its final value "
+                          f"{lrs[-1]:.3g} at about step {final}, but this run trains steps "
+                          f"{start} to {end}. Was it built for this run (e.g. lr_schedule("
+                          f"steps_per_epoch=...): array data gives ceil(len(x) / batch_size) "
+                          f"steps per epoch)?", stacklevel=3)
 
 
 def _agree_on_stops(run):
@@ -2733,6 +2867,16 @@ def _agree_on_stops(run):
         run.stopping = "SIGINT" if most == 1 else "a hook on another process"
 
 
+def _gathered(value):
+    """Every process's JSON-able `value`, by process index (a collective); one process: None."""
+    if jax.process_count() == 1:
+        return None
+    text = json.dumps(_jsonable(value)).encode()
+    size = int(np.asarray(multihost_utils.process_allgather(np.int32(len(text)))).max())
+    rows = multihost_utils.process_allgather(np.frombuffer(text.ljust(size), np.uint8))
+    return [json.loads(bytes(row).decode()) for row in np.asarray(rows)]
+
+
 def _agree(mine, what):
     """Raises the same error in every process if their texts differ (a collective)."""
     mine = mine.encode()
@@ -2743,9 +2887,10 @@ def _agree(mine, what):
         return
     listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
                          for i, r in enumerate(rows))
-    raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must feed "
-                     f"the same number of batches of the same shapes (its share of each global "
-                     f"batch), or the run hangs in a collective or trains on mismatched arrays.")
+    raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must pass the same arrays (x, y) "
+                     f"with the global batch_size (fit takes each process's share), or feed the "
+                     f"same number of batches of the same shapes (its share of each global "
+                     f"batch), else the run hangs in a collective or trains on mismatched arrays.")
 
 
 # -- Advice: your functions checked as they are traced ----------------------------------------
@@ -3051,9 +3196,21 @@ def _path_name(path):
 
 
 def _lr_in(tree):
-    """The learning rate that `optax.inject_hyperparams` keeps in an optimizer state, or None."""
+    """The learning rates that `optax.inject_hyperparams` keeps in an optimizer state: one as
+    `{"": lr}`, several (`optax.multi_transform`) by their labels (else paths); none: `{}`."""
     is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
-    return optax.tree.get(tree, "learning_rate", filtering=is_array)
+    try:
+        found = optax.tree.get_all_with_path(tree, "learning_rate", filtering=is_array)
+    except Exception:  # (a state optax cannot search: no rate to log)
+        return {}
+    if len(found) == 1:
+        return {"": found[0][1]}
+    label = lambda path: [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)
+                          and k.key not in ("hyperparams", "learning_rate")][-1:]
+    labels = ["".join(label(path)) or _path_name(path[:-2]) for path, _ in found]
+    if len(set(labels)) < len(labels):
+        labels = [_path_name(path[:-2]) for path, _ in found]
+    return dict(zip(labels, [value for _, value in found]))
 
 
 def _is_nnx(x):
