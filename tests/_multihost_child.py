@@ -31,6 +31,33 @@ one `jax.distributed.initialize` for all of them), each with its own workdir `WO
              and rank by process 0's. The child adds `computed` (the values its fn returned)
              and `bests` (`run.best` after each eval) to its JSON.
 
+Data scenarios (#40; `run_data_scenario`): in the array ones every process passes the SAME
+arrays (x, y), 99 examples whose targets are their indices (the class is index % 4), with the
+global batch_size=16 (6 batches of 16 and a last one of 3, which 2 processes cannot split), to
+an MLP without BatchNorm; the loss reports which examples each global batch holds
+(`indexed_loss`), and a hook records them at every step (`steps` in the JSON: step, then
+`FINGERPRINT`'s metrics). The array runs also carry `EarlyStopping(patience=100, min_delta=10)`
+on `train/accuracy` (so every epoch after the first adds 1 to its count, and it never stops);
+`es` in the JSON is its `get_state()` at the end.
+- `arrays`:  3 epochs of 7 steps, log_every=1, ckpt_every=8.
+- `arrays_cut`: the same, ended by os._exit (as a crash) at the log point after step 16's
+             checkpoint has committed (mid-epoch 3); prints `KILL <step>` first.
+- `arrays_resume`: resume=True in `WORKDIR/arrays_cut`, once the parent has put a killed
+             `arrays_cut` run there and written `WORKDIR/arrays_cut/READY` (the child waits); on
+             any process count.
+- `old_way`: the pre-#40 way, each process its own rows `x[:96][pid::nproc]` with a per-process
+             batch_size=8: must be refused by every process. Its error is recorded and the child
+             goes on (every process raises it at the same place, before any work).
+- `grain`:   grain's DataLoader over the first 96 examples, sharded by process
+             (`ShardByJaxProcess`), reshuffled each epoch, 6 batches of 8 rows per process
+             (global batches of 16); 2 epochs, log_every=1, ckpt_every=4. The JSON's `reads`:
+             the examples this process read.
+- `grain_cut`: the same, ended by os._exit after step 8's checkpoint committed (mid-epoch 2).
+- `grain_resume`: resume=True in `WORKDIR/grain_cut` (waits for its READY, as above).
+- `grain_one`: the same resume in one process (batches of 16: the same global batching), which
+             must be refused (the loaders' positions are per process); recorded, the child goes
+             on.
+
 Per scenario the child writes `OUTDIR/<name>_<pid>.json` (run names and dirs, this process's
 pid, how many SummaryWriters it opened, the final step, the history, or the exception's type
 and message) and `OUTDIR/<name>_<pid>.npy` (final params and batch_stats as one float64
@@ -42,6 +69,7 @@ import fcntl
 import json
 import os
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo's fit.py
@@ -196,6 +224,175 @@ def run_scenario(scenario, pid, nproc, workdir, outdir, writers):
         print("DONE", scenario, flush=True)
 
 
+# -- Data scenarios (#40): the same arrays on every process; a grain loader sharded by process --
+
+ROWS = 99  # 6 global batches of 16, then one of 3 (which 2 processes cannot split: each takes all)
+FINGERPRINT = ("idmean", "idsq", "head", "together", "unique")
+DATA_SCENARIOS = {"arrays", "arrays_cut", "arrays_resume", "old_way", "grain", "grain_cut",
+                  "grain_resume", "grain_one"}
+REFUSED = {"old_way", "grain_one"}  # refused alike on every process at the start: go on after
+RESUMES = {"arrays_resume": "arrays_cut", "grain_resume": "grain_cut", "grain_one": "grain_cut"}
+
+
+def indexed_arrays():
+    """x: `global_batches`' kind of blobs; y: each example's index (its class: index % CLASSES)."""
+    rng = np.random.default_rng(3)
+    centers = rng.normal(size=(CLASSES, FEATURES)).astype(np.float32)
+    y = np.arange(ROWS, dtype=np.int32)
+    x = (centers[y % CLASSES] + 1.5 * rng.normal(size=(ROWS, FEATURES))).astype(np.float32)
+    return x, y
+
+
+class MLP(nn.Module):
+    """No BatchNorm (a bias feeding one has no true gradient: layouts would differ by noise)."""
+
+    @nn.compact
+    def __call__(self, x, train):
+        return nn.Dense(CLASSES)(nn.relu(nn.Dense(32)(x)))
+
+
+def mlp_state():
+    from fit import TrainState
+    var = MLP().init(jax.random.key(0), np.zeros((1, FEATURES), np.float32), train=False)
+    return TrainState.create(apply_fn=MLP().apply, params=var["params"], tx=optax.sgd(0.1))
+
+
+def indexed_loss(logits, ids):
+    """Cross-entropy on the classes, and which examples the (global) batch holds, by their
+    indices: mean `idmean`, mean square `idsq`, `head` the mean of the first half's (process 0's
+    share on 2 processes), `together` the fraction whose partner (2j <-> 2j+1) is there too,
+    `unique` the fraction there once."""
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, ids % CLASSES).mean()
+    f = ids.astype(np.float32)
+    same = ids[:, None] == ids[None, :]
+    return loss, {"accuracy": (logits.argmax(-1) == ids % CLASSES).mean(), "idmean": f.mean(),
+                  "idsq": (f * f).mean(), "head": f[:max(len(ids) // 2, 1)].mean(),
+                  "together": (ids[:, None] == (ids ^ 1)[None, :]).any(1).mean(),
+                  "unique": (same.sum(1) == 1).mean()}
+
+
+def recorder(steps):
+    """A hook that appends [step, *FINGERPRINT] at every log point (log_every=1: every step)."""
+    def record(event, run):
+        if event == "log":
+            steps.append([run.step] + [run.metrics[f"train/{k}"] for k in FINGERPRINT])
+    return record
+
+
+def exit_after_commit(saved):
+    """A hook that ends the process as a crash would (os._exit: no cleanup, no checkpoint) at the
+    first log point after step `saved`, once that step's checkpoint has committed: orbax saves in
+    the background and renames its temporary folder to `<ckpt_dir>/<saved>` when all processes
+    have written. Each process waits for that on the shared filesystem and prints `KILL <step>`;
+    process 0 goes first (its exit may take the others down: it runs JAX's coordination
+    service), the others once it has written `<workdir>/KILLED`."""
+    def hook(event, run):
+        if event == "log" and run.step > saved:
+            path, deadline = os.path.join(run.ckpt_dir, str(saved)), time.monotonic() + 60
+            first = os.path.join(os.path.dirname(os.path.dirname(run.ckpt_dir)), "KILLED")
+            while not os.path.isdir(path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            while jax.process_index() and not os.path.exists(first) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+            print("KILL", run.step, flush=True)
+            if jax.process_index() == 0:
+                open(first, "w").close()
+            os._exit(0 if os.path.isdir(path) else 3)
+    return hook
+
+
+class Rows:
+    """A grain random-access source of examples as dicts; a stable repr (grain's set_state
+    compares the source's repr with the one it saved); `reads` counts the examples read."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.reads = x, y, 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __repr__(self):
+        return f"Rows({len(self.x)})"
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+class ShardedLoader:
+    """grain's DataLoader over this process's shard of the source (`ShardByJaxProcess`),
+    reshuffled each epoch (fit's `set_epoch` picks the sampler's seed); `iter()` returns grain's
+    iterator, whose `get_state()` fit saves as this process's position."""
+
+    def __init__(self, source, batch):
+        self.source, self.batch, self.epoch = source, batch, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.source) // jax.process_count() // self.batch
+
+    def __iter__(self):
+        import grain.python as grain
+        sampler = grain.IndexSampler(num_records=len(self.source), shuffle=True, seed=self.epoch,
+                                     num_epochs=1,
+                                     shard_options=grain.ShardByJaxProcess(drop_remainder=True))
+        return iter(grain.DataLoader(
+            data_source=self.source, sampler=sampler, worker_count=0,
+            operations=[grain.Batch(self.batch, drop_remainder=True)],
+            read_options=grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+
+
+def run_data_scenario(scenario, pid, nproc, workdir, outdir, writers):
+    """One of DATA_SCENARIOS (see the module docstring); the same JSON and npy as run_scenario,
+    plus `steps` (the FINGERPRINT of every step), for arrays `es` (EarlyStopping's state), for
+    grain `reads` (the examples this process read)."""
+    from fit import EarlyStopping, fit
+    result = {"pid": os.getpid(), "process_index": jax.process_index(),
+              "process_count": jax.process_count(), "devices": jax.device_count()}
+    steps = result["steps"] = []
+    here = os.path.join(workdir, RESUMES.get(scenario, scenario))
+    try:
+        while scenario in RESUMES and not os.path.exists(os.path.join(here, "READY")):
+            time.sleep(0.2)  # (the parent copies the killed run here, then writes READY)
+        x, y = indexed_arrays()
+        kw = dict(loss_fn=indexed_loss, num_epochs=2, log_every=1, workdir=here, log_name="mh",
+                  hooks=[progress, recorder(steps)], resume=scenario in RESUMES)
+        if scenario.startswith("grain"):
+            kw.update(ckpt_every=4, batch_keys=("x", "y"))
+            source = Rows(x[:96], y[:96])
+            train = ShardedLoader(source, 96 // 6 // jax.process_count())
+        else:
+            es = EarlyStopping(patience=100, min_delta=10.0, restore_best=False)
+            kw.update(num_epochs=3, ckpt_every=8, batch_size=16, monitor="train/accuracy",
+                      mode="max", hooks=kw["hooks"] + [es])
+            train = (x, y)
+        if scenario == "old_way":  # each process its own rows and batch: refused since #40
+            train, kw["batch_size"] = (x[:96][pid::nproc], y[:96][pid::nproc]), 16 // nproc
+        if scenario.endswith("_cut"):
+            kw["hooks"] = kw["hooks"] + [exit_after_commit(8 if scenario == "grain_cut" else 16)]
+        state, history = fit(mlp_state(), train, **kw)
+        if scenario.startswith("grain"):
+            result["reads"] = source.reads  # (this process's examples, read by fit or ahead)
+        else:
+            result["es"] = es.get_state()
+        result.update(run=history.run, ckpt_dir=history.ckpt_dir,
+                      step=int(jax.device_get(state.step)),
+                      history={k: v for k, v in history.items()})
+        np.save(os.path.join(outdir, f"{scenario}_{pid}.npy"), flat(state))
+    except BaseException as e:
+        result["error"] = {"type": type(e).__name__, "message": str(e),
+                           "traceback": traceback.format_exc()}
+        if scenario not in REFUSED:
+            raise
+    finally:
+        with open(os.path.join(outdir, f"{scenario}_{pid}.json"), "w") as f:
+            json.dump(result, f)
+        print("DONE", scenario, flush=True)
+
+
 def main(scenarios, pid, nproc, port, workdir, outdir):
     if nproc > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -214,7 +411,8 @@ def main(scenarios, pid, nproc, port, workdir, outdir):
 
     fit.SummaryWriter = CountingWriter
     for scenario in scenarios:
-        run_scenario(scenario, pid, nproc, workdir, outdir, writers)
+        run = run_data_scenario if scenario in DATA_SCENARIOS else run_scenario
+        run(scenario, pid, nproc, workdir, outdir, writers)
 
 
 if __name__ == "__main__":
