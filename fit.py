@@ -2353,8 +2353,10 @@ class _Meter:
         self.spent_steps, self.data_logged, self.timing_now = 0, 0.0, False
         self.t0 = self.t_ready = self.t_logged = time.perf_counter()
         self.t_end = None
-        # Speed beyond steps/s (speed()): the steady calls' rows and FLOPs, the loss's weights.
+        # Speed beyond steps/s (speed()): the steady calls' rows and FLOPs (over `counted` steps),
+        # the loss's weights.
         self.rows = self.flops = self.tokens = 0.0
+        self.counted = 0
         self.summed, self.weighted = 0, steps.weighted_loss and "loss" in steps.train_sums.names
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
         self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
@@ -2376,16 +2378,19 @@ class _Meter:
         if cost := self.compiled.get(shape):  # (rows, FLOPs per device) of a call of this shape
             state, self.acc = train(state, self.acc, batch)
             self.rows, self.flops = self.rows + cost[0], self.flops + cost[1]
+            self.counted += k  # (the steps those rows and FLOPs are of)
         else:  # one wait per new shape, so compile time is kept out of the rate
             if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
                 _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build"
                                    " it with optax.inject_hyperparams(...), or pass lr_fn=.")
             try:
                 with self.timed("compile", k):
+                    check = None if self.compiled else self._compile_check(state)
                     # Compiled ahead, to read XLA's estimates; the call below reuses the executable.
                     cost = self._analyse(train.lower(state, self.acc, batch).compile(), shape)
                     state, self.acc = jax.block_until_ready(train(state, self.acc, batch))
-                    self.steps.param_norm(state)  # (the check before saves compiles here)
+                    if check:
+                        check.join()
             except Exception as e:
                 if not self.compiled:  # (the first batch: the trace's own checks explain it)
                     raise
@@ -2405,6 +2410,19 @@ class _Meter:
             self.inflight.popleft().block_until_ready()
         self.t_ready = time.perf_counter()
         return state
+
+    def _compile_check(self, state):
+        """The check before saves (`param_norm`), compiling in a thread beside the first step's
+        compile, on another core: off the first step's path. Lowered here, as the step donates the
+        state; a failure shows at its first call, in the open."""
+        lowered = self.steps.param_norm.lower(state)
+
+        def compile():
+            with contextlib.suppress(Exception):
+                lowered.compile()
+        thread = threading.Thread(target=compile)
+        thread.start()
+        return thread
 
     def _analyse(self, compiled, shape):
         """A call's rows (all processes') and FLOPs per device, from XLA's cost analysis of its
@@ -2556,9 +2574,11 @@ class _Meter:
         `tokens_per_s` (a `Weighted` loss: its mean weight a step x steps/s); `tflops_per_s` per
         device; `mfu` (over the dense bf16 peak); `memory_gb` (a device's peak; not on CPU). None:
         not known (no steady step yet)."""
-        seconds, rate = self.steady_seconds(), self.steady_rate(step)
-        out = {"examples_per_s": rate and self.rows / seconds,
-               "tflops_per_s": rate and self.flops and self.flops / seconds / 1e12 or None}
+        rate = self.steady_rate(step)
+        # Every figure is its mean per step x steps/s, so all cover the same steps (the rows and
+        # FLOPs are summed as calls are dispatched, one call past a log point's step).
+        per_step = lambda total: rate and self.counted and total / self.counted * rate or None
+        out = {"examples_per_s": per_step(self.rows), "tflops_per_s": per_step(self.flops / 1e12)}
         if self.weighted:
             out["tokens_per_s"] = rate and self.summed and self.tokens / self.summed * rate or None
         if self.peak:
