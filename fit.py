@@ -3045,11 +3045,14 @@ def _check_schedule(state, opts, end):
     is_schedule = lambda x: type(x).__name__ == "WrappedScheduleState"
 
     # An inject_hyperparams schedule's lrs at `step`: with no public call for it, the count of each
-    # schedule's state (found by class name) is set, and one update run.
+    # schedule's state (found by class name) is set, and one update run, of scalar params laid
+    # out as the state's (multi_transform's labels are a tree like them).
+    tiny = jax.tree.map(lambda x: jnp.zeros((), x.dtype), state.params)
+
     def scheduled(step):
         s = jax.tree.map(lambda x: x._replace(count=step) if is_schedule(x) else x,
-                         state.tx.init({}), is_leaf=is_schedule)
-        return _lr_in(state.tx.update({}, s, {})[1])
+                         state.tx.init(tiny), is_leaf=is_schedule)
+        return _lr_in(state.tx.update(tiny, s, tiny)[1])
     try:
         found = jax.jit(jax.vmap(opts.lr_fn or scheduled))(steps)
     except Exception:  # no schedule that fit can see: nothing to say
@@ -3455,7 +3458,7 @@ def _name(fn):
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _itself(x):
+def _itself(x, *_):
     return x
 
 
