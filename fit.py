@@ -256,9 +256,15 @@ class Options:
     verbose=1: 0: warnings only; 1: a bar and epoch lines; 2: the lines (1 too if TQDM_DISABLE=1).
     peak_tflops: a device's peak TFLOP/s, for `perf/mfu` on a chip not in `_PEAK_TFLOPS`.
     tensorboard=True: False: no event files.
+    save_frozen=True: False: an nnx model's frozen base (its nnx.Params outside the optimizer's
+        `wrt`, e.g. under LoRA) is left out of checkpoints, its fingerprint saved instead; resume
+        and `load_ckpt` then take the base from the model you pass, checked against it.
     on_nonfinite="raise": a NaN/Inf loss, metric or parameter raises `FloatingPointError` naming
         the step (no checkpoint after it); "skip" drops such updates (`train/skipped_steps`).
-    mesh: a Mesh with a "data" axis for batches; None: the state's, jax.set_mesh's, or all devices.
+    mesh: a Mesh with the `batch_axes`; None: the state's, jax.set_mesh's, or all devices on "data".
+    batch_axes=("data",): the mesh axes a batch's rows are split over, e.g. `("data", "fsdp")`
+        (MaxText's) or `("fsdp",)` (a mesh without "data"); devices of another axis hold the same
+        rows. With `axis_name`, one axis.
     state_sharding: the state's layout: a tree (or a function) of `PartitionSpec`s or shardings.
     axis_name: for pmap-era models: runs the step per device over the data axis, so named."""
     loss_fn: Any = dataclasses.field(default=None, metadata=_TRACED)
@@ -294,8 +300,10 @@ class Options:
     verbose: int = 1
     peak_tflops: float | None = None
     tensorboard: bool = True
+    save_frozen: bool = True
     on_nonfinite: str = "raise"
     mesh: Any = None
+    batch_axes: tuple = ("data",)
     state_sharding: Any = None
     axis_name: str | None = dataclasses.field(default=None, metadata=_TRACED)
 
@@ -324,7 +332,11 @@ class Options:
                    "True, False or the name of a run"),
         "batch_keys": (ValueError, lambda v: isinstance(v, (tuple, list)) and len(v) == 2,
                        "a pair (inputs_key, targets_key)"),
-        **dict.fromkeys(("tensorboard", "ema_eval"), (TypeError, lambda v: isinstance(v, bool),
+        "batch_axes": (ValueError, lambda v: isinstance(v, (tuple, list)) and v and all(
+            isinstance(a, str) for a in v) and len(set(v)) == len(v), "a tuple of mesh axis names, "
+                       "e.g. ('data',) or ('data', 'fsdp')"),
+        **dict.fromkeys(("tensorboard", "ema_eval", "save_frozen"), (TypeError, lambda v:
+                                                                     isinstance(v, bool),
                                                       "True or False")),
         "workdir": (ValueError, lambda v: isinstance(v, (str, os.PathLike)) and not re.match(
             r"[a-zA-Z][\w+.-]*://", str(v)), "a local directory (URLs such as gs://... are not "
@@ -352,6 +364,10 @@ class Options:
                              f"{self.eval_freq} (epochs) contradict each other; pass one of them.")
         if self.loss_fn and self.nnx_loss_fn:
             raise ValueError("fit: pass loss_fn= or nnx_loss_fn=, not both.")
+        if self.axis_name and len(self.batch_axes) != 1:
+            raise ValueError(f"fit: axis_name={self.axis_name!r} runs the step per device over one "
+                             f"axis, but batch_axes={tuple(self.batch_axes)} names "
+                             f"{len(self.batch_axes)}; pass one batch axis.")
         if self.grad_accum > 1 and self.train_step is not None:
             raise ValueError(f"fit: grad_accum={self.grad_accum} splits fit's own train step; "
                              f"your train_step accumulates on its own (drop grad_accum).")
@@ -388,12 +404,13 @@ def fit(state, train_ds, test_ds=None, **options):
     tests = _eval_sets(test_ds, "test_ds", opts)  # {name: _Data}; one set's name is None
     _check_data(train, tests, opts, mesh)
 
-    # 2. Place a private copy of the state on the devices.
+    # 2. Place a private copy of the state on the devices (a frozen base: the caller's, if placed).
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
+    frozen = _place_frozen(model.frozen, mesh)
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
     config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
-    steps = _build_steps(state, train, tests, config, mesh)
+    steps = _build_steps(state, train, tests, config, mesh, frozen)
     plan = _Plan(opts, train, tests, steps, state)
     verbose = _verbosity(opts.verbose)
     _check_plan(opts, train, tests, plan.total)
@@ -407,7 +424,8 @@ def fit(state, train_ds, test_ds=None, **options):
     progress = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, start=start,
                          batching=batching, options=_jsonable(hparams))  # (filled from the
     fresh_work = not plan.done(0, start)  # checkpoint if the run goes on; else: claim nothing)
-    ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, claim=fresh_work)
+    ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, claim=fresh_work,
+                         frozen=frozen)
     state = ckpts.restore(state)  # (from here on, the run is held: closed on any exit)
     step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
     run = _Run(builtin + list(opts.hooks), plan, ckpts, progress)
@@ -416,7 +434,7 @@ def fit(state, train_ds, test_ds=None, **options):
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
         run.history.timing = _Meter(steps, opts, progress.meter, step).timing(step)  # (no work)
-        return model.finish(run.end(state, step, epoch)), run.history
+        return model.finish(run.end(state, step, epoch), ckpts.frozen), run.history
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
                   f"{step} on {mesh.size} device(s), " + (f"best by {plan.monitor} ({plan.mode})"
                   if plan.monitor else "no best: no metric whose name tells its mode") + "; "
@@ -466,7 +484,7 @@ def fit(state, train_ds, test_ds=None, **options):
         run.close()
     run.history.timing = meter.timing(step)
     signals.honour(run.stopping, late)
-    return model.finish(state), run.history
+    return model.finish(state, ckpts.frozen), run.history
 
 
 # -- The rest of the public API: restoring, evaluating, the history ----------------------------
@@ -481,10 +499,15 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
     if _is_nnx(state):
         who = "load_ckpt" if optimizer or not weights_only else "evaluate"  # (no optimizer)
         model = _adapt(state, Options(optimizer=optimizer), who)
-        return model.finish(load_ckpt(model.state, ckpt_dir, step, weights_only=weights_only,
-                                      ema=ema))
+        return model.finish(*_load(model.state, ckpt_dir, step, weights_only, ema, model.frozen))
     if optimizer is not None:
         raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its tx.")
+    return _load(state, ckpt_dir, step, weights_only, ema)[0]
+
+
+def _load(state, ckpt_dir, step, weights_only, ema, frozen=None):
+    """`load_ckpt`'s restore: `(state, frozen)`, an nnx model's frozen base from a checkpoint that
+    holds it, else the model's own (checked against the one the run saved instead)."""
     for name, value in (("weights_only", weights_only), ("ema", ema)):
         if not isinstance(value, bool):
             raise TypeError(f"load_ckpt: {name} must be True or False, got {value!r}.")
@@ -501,9 +524,10 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
         if not steps:
             raise FileNotFoundError(f"load_ckpt: {ckpt_dir} holds no complete checkpoint.")
         if step == "best":  # the best step that the latest checkpoint knows of
-            with _restoring(mgr, max(steps), "load_ckpt"):
-                step = mgr.restore(max(steps), args=ocp.args.Composite(
-                    meta=ocp.args.JsonRestore()))["meta"]["best_step"]
+            step = _meta(mgr, max(steps), "load_ckpt")["best_step"]
+            if step is None:
+                raise ValueError(f"load_ckpt: {ckpt_dir} has no best checkpoint (its run had no "
+                                 f"monitored value); pass 'last' or a step.")
         step = max(steps) if step in (None, "last") else step
         if step not in steps:
             raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
@@ -512,13 +536,28 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
         placed = _place_state(state, 0, _replicated(_default_mesh()))
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
-        restored = _restore(mgr, step, placed, "load_ckpt", weights_only=weights_only,
-                            ema=ema)[0]
+        base = _is_nnx_state(state) and _meta(mgr, step, "load_ckpt").get("base")
+        carved = base and frozen is None  # (nnx weights without the optimizer: all are params)
+        if carved:
+            placed, frozen = _carve(placed, base)
+        whole = frozen is not None and not base  # (the base saved with the state)
+        restored = _restore(mgr, step, _with_base(placed, frozen) if whole else placed,
+                            "load_ckpt", weights_only=weights_only, ema=ema)[0]
         if weights_only and hasattr(state, "rng"):  # (placing filled a None rng, from seed 0)
             restored = restored.replace(rng=state.rng)
-        return restored
+        if base:
+            _check_base(base, frozen, f"load_ckpt: the checkpoint at step {step} in {ckpt_dir}")
+        if carved:
+            return restored.replace(params=_merge(restored.params, frozen)), None
+        return _split_base(restored, placed, frozen) if whole else (restored, frozen)
     finally:
         mgr.close()
+
+
+def _meta(mgr, step, who):
+    """A checkpoint's `meta` item alone (JSON: `_Progress`)."""
+    with _restoring(mgr, step, who):
+        return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
 def evaluate(state, ds, eval_step=None, **options):
@@ -537,7 +576,7 @@ def evaluate(state, ds, eval_step=None, **options):
     tests = _eval_sets(ds, "ds", opts)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
-    steps = _build_steps(state, None, tests, config, mesh)
+    steps = _build_steps(state, None, tests, config, mesh, _place_frozen(model.frozen, mesh))
     python = _python_metrics(opts.eval_metrics, model.view)
     out = {name: _evaluate(steps, test, state, name, python=python)
            for name, test in tests.items()}
@@ -730,36 +769,32 @@ def _table(array):
 
 # -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables --
 
-_Model = collections.namedtuple("_Model", "state forward eval_step view finish linen")
+_Model = collections.namedtuple("_Model", "state forward eval_step view finish linen frozen")
 
 
 def _adapt(model, opts, who="fit"):
     """A `_Model`: a TrainState as it is; an nnx model as a TrainState of plain dicts: `params`
-    what the optimizer trains (`wrt`), `batch_stats` every other variable (the Rngs' state too),
-    merged in each step in plain jax.jit. `view(state)`: what `eval_step` and `eval_metrics` are
-    given (an nnx model in eval mode); `finish` writes the state back (into the nnx model)."""
+    what the optimizer trains (`wrt`), `batch_stats` every other variable (the Rngs' state too)
+    but the frozen base, merged in each step in plain jax.jit. `frozen`: the nnx.Params outside
+    `wrt` (a LoRA fine-tune's base; None if none), passed to each step apart, neither donated nor
+    returned (`_joined`). `view(state)`: what `eval_step` and `eval_metrics` are given (an nnx
+    model in eval mode); `finish(state, frozen)` writes the state back (into the nnx model)."""
     if not _is_nnx(model):
-        return _Model(model, _linen_forward, opts.eval_step, _itself, _itself, True)
+        return _Model(model, _linen_forward, opts.eval_step, _itself, _itself, True, None)
     from flax import nnx
     optimizer, nnx_loss_fn = _nnx_optimizer(opts.optimizer, who), opts.nnx_loss_fn
-    # Plain dicts, not nnx.State: jit flattens the state every call, State twice as slowly.
-    is_state = lambda x: isinstance(x, nnx.State)
-    pure = lambda tree: jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x,
-                                     nnx.as_pure(tree), is_leaf=is_state)
     nnx.pop(model, nnx.Intermediate)  # sow()n values are per call outputs, not state to carry
-    graphdef, params, rest = nnx.split(model, optimizer.wrt, ...)
-    state = TrainState(step=optimizer.step[...], apply_fn=None, params=pure(params),
-                       tx=optimizer.tx, opt_state=pure(optimizer.opt_state), batch_stats=pure(rest))
-    try:
-        if state.tx is not None:
-            jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{who}: the optimizer's state does not fit the model's parameters; "
-                         f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
-                         f"({e})") from None
+    base = nnx.All(nnx.Param, nnx.Not(optimizer.wrt))
+    graphdef, params, frozen, rest = nnx.split(model, optimizer.wrt, base, ...)
+    frozen = _pure(frozen) or None
+    state = TrainState(step=optimizer.step[...], apply_fn=None, params=_pure(params),
+                       tx=optimizer.tx, opt_state=_pure(optimizer.opt_state),
+                       batch_stats=_pure(rest))
+    _nnx_fits(state, who)
+    carried = nnx.Not(nnx.Any(optimizer.wrt, base) if frozen else optimizer.wrt)
 
-    def merged(params, rest, train):
-        model = nnx.merge(graphdef, params, rest)
+    def merged(params, stats, train):  # (stats: the rest, or (the rest, the base): _joined)
+        model = nnx.merge(graphdef, params, *(stats if isinstance(stats, tuple) else [stats]))
         model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
         return model
 
@@ -770,19 +805,42 @@ def _adapt(model, opts, who="fit"):
         else:  # Dropout draws from the model's own Rngs, carried in batch_stats
             out = loss_fn(model(batch[0]), batch[1])
         nnx.pop(model, nnx.Intermediate)
-        return out, pure(nnx.state(model, nnx.Not(optimizer.wrt)))
+        stats = _pure(nnx.state(model, carried))
+        if isinstance(state.batch_stats, tuple):  # the base goes back as it came, unchanged
+            _check_frozen(_pure(nnx.state(model, base)), state.batch_stats[1])
+            stats = (stats, state.batch_stats[1])
+        return out, stats
 
     view = lambda state: merged(state.params, state.batch_stats, False)
     eval_fn = lambda state, batch: opts.eval_step(view(state), batch)
 
-    def finish(state):
-        nnx.update(model, state.params, state.batch_stats)
+    def finish(state, frozen=None):
+        nnx.update(model, state.params, state.batch_stats, *([frozen] if frozen else []))
         if state.tx is not None:
             nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
             optimizer.step[...] = state.step
         return model
 
-    return _Model(state, forward, opts.eval_step and eval_fn, view, finish, False)
+    return _Model(state, forward, opts.eval_step and eval_fn, view, finish, False, frozen)
+
+
+def _pure(tree):
+    """nnx States as plain dicts: jit flattens the state every call, an nnx.State twice as slowly."""
+    from flax import nnx
+    is_state = lambda x: isinstance(x, nnx.State)
+    return jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x, nnx.as_pure(tree),
+                        is_leaf=is_state)
+
+
+def _joined(state, frozen):
+    """Traced: the state as the model's forward reads it, its `batch_stats` `(the rest, the frozen
+    base)` where there is a base (an argument of its own, neither donated nor returned)."""
+    return state if frozen is None else state.replace(batch_stats=(state.batch_stats, frozen))
+
+
+def _parted(state, frozen):
+    """Traced: the state without the frozen base, as the step returns it."""
+    return state if frozen is None else state.replace(batch_stats=state.batch_stats[0])
 
 
 def _linen_forward(loss_fn, state, params, batch, rng, *, train):
@@ -814,20 +872,33 @@ def _call_nnx_loss(fn, model, batch, rngs):
 
 def _mesh(opts, state):
     """`mesh=`; else the mesh the state's arrays are sharded over (they keep their shardings); else
-    the one set with `jax.set_mesh` around the call; else every device along one 'data' axis."""
+    the one set with `jax.set_mesh` around the call; else every device along one 'data' axis. It
+    must have the `batch_axes`; an 'fsdp' axis outside them is said once (its devices would repeat
+    each other's rows)."""
     own = {x.sharding.mesh for x in jax.tree.leaves(state) if _split(x)}
     mesh = opts.mesh or _default_mesh()
     if opts.mesh is None and opts.state_sharding is None and len(own) == 1:
         mesh = own.pop()
-    if "data" not in mesh.axis_names:
+    axes = tuple(opts.batch_axes)
+    if not set(axes) <= set(mesh.axis_names):
         where = "mesh=" if opts.mesh else "the state's mesh (or the one set with jax.set_mesh)"
-        raise ValueError(f"fit: {where} has axes {mesh.axis_names}, without a 'data' axis to "
-                         f"shard batches over; pass mesh= with one.")
+        raise ValueError(f"fit: {where} has axes {mesh.axis_names}, without the batch_axes "
+                         f"{axes} to shard batches over; pass batch_axes= naming its axes (e.g. "
+                         f"batch_axes=('fsdp',)), or a mesh with them.")
+    if "fsdp" in mesh.axis_names and "fsdp" not in axes and mesh.shape["fsdp"] > 1:
+        warnings.warn(f"fit: the mesh's 'fsdp' axis ({mesh.shape['fsdp']} devices) is not among "
+                      f"batch_axes={axes}, so its devices compute the same rows; pass batch_axes="
+                      f"{axes + ('fsdp',)} to split the batch over them too.", stacklevel=3)
     if not opts.axis_name:
         return mesh  # as given: the mesh that the state's shardings name, axis types and all
-    # A model written for pmap calls lax.pmean(..., axis_name): the data axis takes that name.
-    names = tuple(opts.axis_name if axis == "data" else axis for axis in mesh.axis_names)
+    # A model written for pmap calls lax.pmean(..., axis_name): the batch axis takes that name.
+    names = tuple(opts.axis_name if axis == axes[0] else axis for axis in mesh.axis_names)
     return Mesh(mesh.devices, names, axis_types=mesh.axis_types)
+
+
+def _batch_axes(opts):
+    """The mesh axes a batch's rows are split over (with axis_name: that one, renamed)."""
+    return (opts.axis_name,) if opts.axis_name else tuple(opts.batch_axes)
 
 
 def _default_mesh():
@@ -837,10 +908,10 @@ def _default_mesh():
 
 
 @functools.lru_cache(maxsize=None)
-def _local_shards(mesh, axis):
-    """Over how many slices of `axis` this process's devices split its rows (all, alone)."""
-    i = mesh.axis_names.index(axis)
-    return len({idx[i] for idx in np.ndindex(mesh.devices.shape)
+def _local_shards(mesh, axes):
+    """Over how many slices of the batch `axes` this process's devices split its rows."""
+    at = [mesh.axis_names.index(axis) for axis in axes]
+    return len({tuple(idx[i] for i in at) for idx in np.ndindex(mesh.devices.shape)
                 if mesh.devices[idx].process_index == jax.process_index()})
 
 
@@ -916,7 +987,17 @@ def _place_state(state, seed, sharding):
     return jax.tree.map(lambda p, x: jnp.array(p, copy=True) if aliases(p, x) else p, placed, state)
 
 
-def _putter(mesh, data_axis):
+def _place_frozen(frozen, mesh):
+    """An nnx model's frozen base on the mesh: the caller's arrays where they have their sharding
+    on it already (no copy: the base is never donated), else one copy (replicated)."""
+    if frozen is None:
+        return None
+    return jax.device_put(frozen, jax.tree.map(lambda x: x.sharding if _split(x) and
+                                               x.sharding.mesh == mesh else _replicated(mesh),
+                                               frozen))
+
+
+def _putter(mesh, axes):
     """`put(batch, stacked=False)`: a batch (this process's rows) sharded along its leading axis
     (`stacked`: each of k batches'); one that does not split evenly (a small last batch) goes whole
     to every device. Shardings are made here, once (~1-5 us a batch). On one device numpy goes to
@@ -925,8 +1006,10 @@ def _putter(mesh, data_axis):
         one = _replicated(mesh)
         numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
         return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
-    shards, processes = _local_shards(mesh, data_axis), jax.process_count()
-    split = [NamedSharding(mesh, P(data_axis)), NamedSharding(mesh, P(None, data_axis))]
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    shards, processes = _local_shards(mesh, axes), jax.process_count()
+    rows = axes[0] if len(axes) == 1 else axes  # (the rows split over the batch axes)
+    split = [NamedSharding(mesh, P(rows)), NamedSharding(mesh, P(None, rows))]
     whole = _replicated(mesh)
 
     def put(batch, stacked=False):
@@ -1077,9 +1160,10 @@ class _Data:
 
     def describe(self):
         """What processes must agree on: batch count ('?': unknown), sizes, first batch's shapes."""
-        if self.arrays:  # the same arrays on every process: their size and a few rows' hash
-            ends = [np.asarray(a[i]).tobytes() for a in (self.x, self.y) for i in (0, -1)]
-            digest = hashlib.sha256(b"".join(ends)).hexdigest()[:12]
+        if self.arrays:  # the same arrays on every process: their size and 16 rows' hash
+            rows = np.unique(np.linspace(0, len(self.x) - 1, 16).astype(np.int64))
+            sample = [np.asarray(a[rows]).tobytes() for a in (self.x, self.y)]
+            digest = hashlib.sha256(b"".join(sample)).hexdigest()[:12]
             return (f"{self.name}: arrays of {len(self.x)} rows (hash {digest}), batch_size="
                     f"{self.global_batch}")
         counts = sorted(collections.Counter(self.sizes or []).items())
@@ -1260,6 +1344,7 @@ class _StepConfig:
     skip: bool            # on_nonfinite="skip"
     norms_every_step: bool  # the log steps' norms computed at every step, without a lax.cond
     shards: int           # over how many devices the step's batch rows are split (shard_map: 1)
+    batch_axes: tuple     # the mesh axes they are split over
     options: tuple        # ((name, value), ...) of the options marked _TRACED
 
     def __getattr__(self, name):  # (called only for a name that is not a field)
@@ -1270,12 +1355,12 @@ class _StepConfig:
 
     @classmethod
     def of(cls, opts, forward, eval_step, mesh, *, linen):
-        shards = 1 if opts.axis_name else mesh.shape["data"]
+        shards = 1 if opts.axis_name else math.prod(mesh.shape[a] for a in opts.batch_axes)
         traced = tuple((f.name, getattr(opts, f.name)) for f in dataclasses.fields(opts)
                        if f.metadata.get("traced"))
         loss_name = "nnx_loss_fn" if opts.nnx_loss_fn else "loss_fn"
         return cls(forward, linen, loss_name, eval_step, opts.on_nonfinite == "skip",
-                   _platform(mesh) in _NO_COND, shards, traced)
+                   _platform(mesh) in _NO_COND, shards, _batch_axes(opts), traced)
 
 
 # Where the norms are computed at every step, not under a lax.cond (#28): a GPU runtime may block
@@ -1288,27 +1373,27 @@ def _platform(mesh):
     return mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
 
 
-_Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put "
+_Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put frozen "
                                           "train_sums train_names eval_sums weighted_loss",
-                                defaults=(None,) * 11)  # (built by name)
+                                defaults=(None,) * 12)  # (built by name)
 
 
-def _build_steps(state, train, tests, config, mesh):
+def _build_steps(state, train, tests, config, mesh, frozen=None):
     """The steps of an earlier call with the same `_StepConfig`, optimizer (in the state's treedef),
     placement and kinds of batches (a notebook cell run again compiles nothing), else new ones;
-    `train=None`: the eval steps alone (`evaluate`)."""
+    `train=None`: the eval steps alone (`evaluate`). Each step takes the `frozen` base last."""
     tests = tests or {}
     key = (config, mesh, train and _kinds(train.spec),
-           tuple((n, _kinds(t.spec)) for n, t in tests.items()),
-           jax.tree.structure(state), tuple(x.sharding for x in jax.tree.leaves(state)))
+           tuple((n, _kinds(t.spec)) for n, t in tests.items()), jax.tree.structure(state),
+           tuple(x.sharding for x in jax.tree.leaves(state)), jax.tree.structure(frozen))
     reuse = config.linen  # (nnx closures hold the model: never kept)
-    steps = _cached(key, reuse, lambda: _new_steps(state, train, tests, config, mesh))
+    steps = _cached(key, reuse, lambda: _new_steps(state, train, tests, config, mesh, frozen))
     # Made at each call, not kept with the steps: the sums' zeros (a finished run leaves no
     # array) and the batches' placement.
     acc0 = train and jax.device_put(steps.train_sums.zeros(), _replicated(mesh))
     eval0 = {name: sums.zeros() for name, sums in steps.eval_sums.items()}
     return steps._replace(acc0=acc0, eval0=jax.device_put(eval0, _replicated(mesh)),
-                          put=_putter(mesh, config.axis_name or "data"))
+                          put=_putter(mesh, config.batch_axes), frozen=frozen)
 
 
 _STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
@@ -1333,12 +1418,12 @@ def _cached(key, reuse, build):
     return value
 
 
-def _new_steps(state, train, tests, config, mesh):
+def _new_steps(state, train, tests, config, mesh, frozen=None):
     """Every jax.jit of the run: the train step (alone, and scanned over `steps_per_jit` stacked
     batches) and the eval steps, each summing metrics on device. Your step is traced for its metric
     names before any compile, jitted alone, so the real call reuses that trace (0.1-0.2 s)."""
     if train is None:  # (evaluate)
-        fns, sums = _eval_steps(state, tests, config, mesh)
+        fns, sums = _eval_steps(_joined(state, frozen), tests, config, mesh)
         return _Steps(eval=fns, eval_sums=sums)
     replicated, user_step, seed = _replicated(mesh), config.train_step, config.seed
     who = "train_step" if user_step else config.loss_name
@@ -1351,7 +1436,7 @@ def _new_steps(state, train, tests, config, mesh):
     step_fn = jax.jit(_under(mesh, step_fn))
     own = user_step or config.loss_name == "nnx_loss_fn"  # (else fit calls the model)
     step_fn = functools.partial(_step_values, step_fn)
-    metrics = _trace(step_fn, state, train.spec, config, not own and "train")[1]
+    metrics = _trace(step_fn, _joined(state, frozen), train.spec, config, not own and "train")[1]
     traced = _metric_names(metrics, who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
@@ -1363,11 +1448,12 @@ def _new_steps(state, train, tests, config, mesh):
                                                           config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
-    # k steps per call: a scan over a stacked group of k batches.
-    train_k = jax.jit(lambda state, acc, batches: jax.lax.scan(
-        lambda carry, b: (one(*carry, b), None), (state, acc), batches,
+    # k steps per call: a scan over a stacked group of k batches (the frozen base outside it).
+    train_k = jax.jit(lambda state, acc, batches, frozen=None: jax.lax.scan(
+        lambda carry, b: (one(*carry, b, frozen), None), (state, acc), batches,
         unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
-    eval_fns, eval_sums = _eval_steps(state, tests, config, mesh)  # (after: train advice first)
+    eval_fns, eval_sums = _eval_steps(_joined(state, frozen), tests, config, mesh)  # (after:
+    # the train step's advice first)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
     return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=one.args[0].sums,
                   train_names=names + norms, eval_sums=eval_sums,
@@ -1411,9 +1497,9 @@ def _eval_step(state, test, config, mesh):
     sums = _EvalSums(_as_dict(shapes, "accuracy"), who)
     _per_example(inner, state, test.spec, sums.arrays, who)
 
-    def _eval_and_accumulate(state, acc, batch):
+    def _eval_and_accumulate(state, acc, batch, frozen=None):
         rows = jax.tree.leaves(batch)[0].shape[0]
-        return sums.add(acc, _as_dict(inner(state, batch), "accuracy"), rows)
+        return sums.add(acc, _as_dict(inner(_joined(state, frozen), batch), "accuracy"), rows)
 
     return jax.jit(_eval_and_accumulate, out_shardings=_replicated(mesh)), sums
 
@@ -1688,10 +1774,11 @@ def _step_values(step_fn, state, batch):
     return new_state, _as_dict(metrics, "loss")
 
 
-def _train_and_accumulate(train, state, acc, batch):
+def _train_and_accumulate(train, state, acc, batch, frozen=None):
     """One train step plus the on-device bookkeeping: the sums (`_TrainSums`), non-finite steps
-    (dropped with `on_nonfinite="skip"`), the lr, a log step's norms."""
-    config, skip = train.config, train.config.skip
+    (dropped with `on_nonfinite="skip"`), the lr, a log step's norms. `frozen`: an nnx model's
+    frozen base, passed beside the state, neither donated nor returned."""
+    config, skip, state = train.config, train.config.skip, _joined(state, frozen)
     new_state, metrics = train.step_fn(state, batch)
     _warn_dtypes(new_state, state)
     # "skip" checks the whole state every step, to drop an update that makes it non-finite.
@@ -1706,8 +1793,10 @@ def _train_and_accumulate(train, state, acc, batch):
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     lr = None if train.lr_of is None else train.lr_of(new_state)
-    return new_state, train.sums.add(acc, values, norms, lr, finite=finite, kept=finite | (
-        not skip), at_log=_at_log(state, config), step=state.step)
+    return _parted(new_state, frozen), train.sums.add(acc, values, norms, lr, finite=finite,
+                                                      kept=finite | (not skip),
+                                                      at_log=_at_log(state, config),
+                                                      step=state.step)
 
 
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
@@ -1898,6 +1987,7 @@ class _Progress:
     seed: Any = None
     batching: Any = (None, None)  # the global batch size and the batches per epoch
     start: int = 0             # the state's step when the run began (a loaded state's)
+    base: Any = None           # an nnx frozen base's fingerprint, if not saved (save_frozen)
     options: Any = None        # the HParams of the call that wrote it (a resume says changes)
     changed = {}  # (not saved: {option: (before, now)} of a resumed call)
 
@@ -1929,11 +2019,11 @@ class _Progress:
                              f" and {batching[1]}: resume it with its own batch size{option} and "
                              f"data, or start a fresh run (resume=False).")
 
-    def go_on(self, saved, step):
-        """This call's progress from a checkpoint's (`saved`, of `step`), keeping this call's
+    def go_on(self, saved):
+        """This call's progress from a checkpoint's (`saved`), keeping this call's
         target, seed, batching and options; a hook's stop holds only if the run goes no further
         than that one did. Options that differ from the saved call's are recorded."""
-        keep = {"target", "seed", "batching", "options"}
+        keep = {"target", "seed", "batching", "options", "base"}
         for name in {f.name for f in dataclasses.fields(self)} - keep:
             setattr(self, name, getattr(saved, name))
         if saved.positions and len(saved.positions) == jax.process_count():  # (each its own)
@@ -1942,9 +2032,6 @@ class _Progress:
         before, now = saved.options or {}, self.options or {}
         self.changed = {k: (before.get(k), now.get(k)) for k in sorted({*before, *now})
                         if before and before.get(k) != now.get(k)}
-        if self.changed:  # (TensorBoard keeps an HParams tag's first values: said in the history)
-            self.history.setdefault("options_changed", []).append(f"step {step}: " + ", ".join(
-                f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items()))
 
     def final(self, num_epochs, max_steps):
         """Whether a hook ended the run for good: it goes on only if asked to go further."""
@@ -2009,7 +2096,7 @@ class _Checkpoints:
     kept best, when a hook asks, on every stop and at the end. A failed save raises one `OSError`
     naming the step, the cause and the last good checkpoint, which stays intact."""
 
-    def __init__(self, opts, best, progress, claim=True):
+    def __init__(self, opts, best, progress, claim=True, frozen=None):
         workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
         while not os.path.exists(probe):  # fail before any directory is made
             probe = os.path.dirname(probe)
@@ -2026,19 +2113,34 @@ class _Checkpoints:
         self.mgr, self.saved, self.good, self.calls = None, None, None, 0
         self.processes, self.writing = jax.process_count(), False  # (writing: a save in flight)
         self.quiet = _quiet()  # (orbax's logged reports of failures, while the run is open)
+        # An nnx model's frozen base: saved with the state, or (save_frozen=False) its
+        # fingerprint instead, computed once.
+        self.frozen, self.save_frozen = frozen, opts.save_frozen or frozen is None
+        progress.base = None if self.save_frozen else _fingerprint(frozen)
 
     def restore(self, state):
         """The latest checkpoint's state, its progress taken into the run's (checked against
-        this call); else `state`."""
+        this call); else `state`. A frozen base saved with it replaces the caller's only where
+        they differ (else the caller's stays the one held)."""
         if not self.resumed:
             return state
         self.open()
         self.saved = self.good = self.mgr.latest_step()
         try:
-            state, meta = _restore(self.mgr, self.saved, state, "fit")
+            base = self.frozen is not None and _meta(self.mgr, self.saved, "fit").get("base")
+            whole = self.frozen is not None and not base
+            restored, meta = _restore(self.mgr, self.saved, _with_base(state, self.frozen)
+                                      if whole else state, "fit")
+            if whole:
+                restored, base = _split_base(restored, state, self.frozen)
+                if _fingerprint(base) != _fingerprint(self.frozen):
+                    self.frozen = base
+            elif base:
+                _check_base(base, self.frozen, f"fit: run {self.run}'s checkpoint")
+            state = restored
             saved = _Progress.read(meta)
             saved.check(self.run, self.progress.seed, self.progress.batching)
-            self.progress.go_on(saved, self.saved)
+            self.progress.go_on(saved)
         except BaseException:
             self.close()  # (the manager's threads and fit's log filter end with it)
             raise
@@ -2070,9 +2172,10 @@ class _Checkpoints:
     def save(self, step, state, value):
         self.wait()  # the previous save commits first (orbax would wait here too)
         with self._failure(step):
+            whole = _with_base(state, self.frozen) if self.save_frozen else state
             saved = self.mgr.save(step, metrics=None if value is None else {self.monitor: value},
                                   args=ocp.args.Composite(
-                                      state=ocp.args.StandardSave(_key_data(state)),
+                                      state=ocp.args.StandardSave(_key_data(whole)),
                                       meta=ocp.args.JsonSave(self.progress.write())))
             if not saved:  # (orbax refuses a step at or below the latest it lists)
                 raise RuntimeError(f"orbax refused to save step {step}: its latest step is "
@@ -2202,6 +2305,71 @@ def _restore_weights(mgr, step, state, metadata, *, source, who):
         for k in groups})
 
 
+def _with_base(state, frozen):
+    """`state` with an nnx model's frozen base filed back among its `batch_stats`, as the model
+    holds them: the whole state that a checkpoint holds by default (None: `state`)."""
+    return state if frozen is None else state.replace(batch_stats=_merge(state.batch_stats,
+                                                                         frozen))
+
+
+def _split_base(whole, like, frozen):
+    """`(state, base)` of a restored whole state: its `batch_stats` laid out as `like`'s, and the
+    frozen base as `frozen`."""
+    stats = whole.batch_stats
+    return whole.replace(batch_stats=_part(stats, like.batch_stats)), _part(stats, frozen)
+
+
+def _carve(state, base):
+    """`(state, frozen)`: an nnx model's params (every Param, loaded without its optimizer) less
+    the base whose fingerprint `base` a run saved instead of it, and that base."""
+    def split(tree, at=""):
+        keep, take = {}, {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                parts = split(v, f"{at}{k}/")
+                keep.update({k: parts[0]} if parts[0] else {})
+                take.update({k: parts[1]} if parts[1] else {})
+            else:
+                (take if f"{at}{k}" in base else keep)[k] = v
+        return keep, take
+    params, frozen = split(state.params)
+    return state.replace(params=params), frozen
+
+
+def _merge(a, b):
+    """Nested dicts `a` and `b` as one (`b`'s leaves over `a`'s)."""
+    return {**a, **{k: _merge(a.get(k, {}), v) if isinstance(v, dict) else v
+                    for k, v in b.items()}}
+
+
+def _part(tree, like):
+    """The part of nested dict `tree` laid out as `like`."""
+    return {k: _part(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in like.items()}
+
+
+def _fingerprint(frozen):
+    """A frozen base's identity, `{path: [shape, dtype, checksum]}`: the checksum is its bit
+    patterns summed modulo 2**32, exact and order-free, so the same on any device count."""
+    def checksum(x):
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+        return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+    sums = jax.device_get(jax.jit(lambda tree: jax.tree.map(checksum, tree))(frozen))
+    return {_path_name(p): [list(x.shape), str(x.dtype), int(c)] for (p, x), c in zip(
+        jax.tree_util.tree_leaves_with_path(frozen), jax.tree.leaves(sums))}
+
+
+def _check_base(saved, frozen, where):
+    """Raises, naming the first path that differs, if the model's frozen base is not the one
+    whose fingerprint a run saved (`save_frozen=False`)."""
+    mine = _fingerprint(frozen)
+    for path in sorted({*saved, *mine}):
+        if saved.get(path) != mine.get(path):
+            raise ValueError(f"{where} was saved without its frozen base (save_frozen=False), and "
+                             f"the model's base differs from that run's at {path}: "
+                             f"{mine.get(path)} here, {saved.get(path)} there ([shape, dtype, "
+                             f"checksum]); pass the model with the run's base.")
+
+
 def _as_before(restored, like):
     """A restored leaf as the state's: its dtype, or a typed key of its implementation."""
     if _is_key(like):
@@ -2277,6 +2445,9 @@ class _Run:
                 self.stopping = _name(hook)
             if event == "train_start" and name in self.hook_states and hasattr(hook, "set_state"):
                 hook.set_state(self.hook_states[name])  # what it had at the checkpoint
+        if event == "train_start" and self.changed:  # (the HParams tab keeps the first values)
+            self.history.setdefault("options_changed", []).append(f"step {step}: " + ", ".join(
+                f"{k} {a!r} -> {b!r}" for k, (a, b) in self.changed.items()))
         if jax.process_count() > 1 and event != "train_end":  # (a collective all reach)
             _agree_on_stops(self)
         return self.state
@@ -2353,8 +2524,10 @@ class _Meter:
         self.spent_steps, self.data_logged, self.timing_now = 0, 0.0, False
         self.t0 = self.t_ready = self.t_logged = time.perf_counter()
         self.t_end = None
-        # Speed beyond steps/s (speed()): the steady calls' rows and FLOPs, the loss's weights.
+        # Speed beyond steps/s (speed()): the steady calls' rows and FLOPs (over `counted` steps),
+        # the loss's weights.
         self.rows = self.flops = self.tokens = 0.0
+        self.counted = 0
         self.summed, self.weighted = 0, steps.weighted_loss and "loss" in steps.train_sums.names
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
         self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
@@ -2374,18 +2547,23 @@ class _Meter:
         self.fed, self.calls = self.fed + k, self.calls + 1
         train = self.steps.train if k == 1 else self.steps.train_k
         if cost := self.compiled.get(shape):  # (rows, FLOPs per device) of a call of this shape
-            state, self.acc = train(state, self.acc, batch)
+            state, self.acc = train(state, self.acc, batch, self.steps.frozen)
             self.rows, self.flops = self.rows + cost[0], self.flops + cost[1]
+            self.counted += k  # (the steps those rows and FLOPs are of)
         else:  # one wait per new shape, so compile time is kept out of the rate
             if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
                 _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build"
                                    " it with optax.inject_hyperparams(...), or pass lr_fn=.")
             try:
                 with self.timed("compile", k):
+                    check = None if self.compiled else self._compile_check(state)
                     # Compiled ahead, to read XLA's estimates; the call below reuses the executable.
-                    cost = self._analyse(train.lower(state, self.acc, batch).compile(), shape)
-                    state, self.acc = jax.block_until_ready(train(state, self.acc, batch))
-                    self.steps.param_norm(state)  # (the check before saves compiles here)
+                    frozen = self.steps.frozen
+                    cost = self._analyse(train.lower(state, self.acc, batch, frozen).compile(),
+                                         shape)
+                    state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
+                    if check:
+                        check.join()
             except Exception as e:
                 if not self.compiled:  # (the first batch: the trace's own checks explain it)
                     raise
@@ -2405,6 +2583,19 @@ class _Meter:
             self.inflight.popleft().block_until_ready()
         self.t_ready = time.perf_counter()
         return state
+
+    def _compile_check(self, state):
+        """The check before saves (`param_norm`), compiling in a thread beside the first step's
+        compile, on another core: off the first step's path. Lowered here, as the step donates the
+        state; a failure shows at its first call, in the open."""
+        lowered = self.steps.param_norm.lower(state)
+
+        def compile():
+            with contextlib.suppress(Exception):
+                lowered.compile()
+        thread = threading.Thread(target=compile)
+        thread.start()
+        return thread
 
     def _analyse(self, compiled, shape):
         """A call's rows (all processes') and FLOPs per device, from XLA's cost analysis of its
@@ -2556,9 +2747,11 @@ class _Meter:
         `tokens_per_s` (a `Weighted` loss: its mean weight a step x steps/s); `tflops_per_s` per
         device; `mfu` (over the dense bf16 peak); `memory_gb` (a device's peak; not on CPU). None:
         not known (no steady step yet)."""
-        seconds, rate = self.steady_seconds(), self.steady_rate(step)
-        out = {"examples_per_s": rate and self.rows / seconds,
-               "tflops_per_s": rate and self.flops and self.flops / seconds / 1e12 or None}
+        rate = self.steady_rate(step)
+        # Every figure is its mean per step x steps/s, so all cover the same steps (the rows and
+        # FLOPs are summed as calls are dispatched, one call past a log point's step).
+        per_step = lambda total: rate and self.counted and total / self.counted * rate or None
+        out = {"examples_per_s": per_step(self.rows), "tflops_per_s": per_step(self.flops / 1e12)}
         if self.weighted:
             out["tokens_per_s"] = rate and self.summed and self.tokens / self.summed * rate or None
         if self.peak:
@@ -2692,7 +2885,7 @@ def _evaluate(steps, test, state, name=None, *, meter=None, python=None):
         acc, step, sums = steps.eval0[name], steps.eval[name], steps.eval_sums[name]
         host, last = {}, {}
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), steps.put):
-            acc, out = step(state, acc, batch)
+            acc, out = step(state, acc, batch, steps.frozen)
             host, last = _merged(host, last), out  # (the batch before this one's)
         values = sums.read(jax.device_get(acc), _merged(host, last), f"the eval set {test.name}")
         if values is None:
@@ -2759,6 +2952,28 @@ def _check_state(state, opts):
                          f"(...)), or pass an nnx model with optimizer=nnx.Optimizer(...).")
 
 
+def _nnx_fits(state, who):
+    """The nnx optimizer's state must fit the model's parameters it trains."""
+    try:
+        if state.tx is not None:
+            jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{who}: the optimizer's state does not fit the model's parameters; "
+                         f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
+                         f"({e})") from None
+
+
+def _check_frozen(after, before):
+    """At trace time: a step that changes an nnx.Param outside the optimizer's `wrt` (the base fit
+    passes to each step unchanged, and would not keep) raises, naming it."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(after), jax.tree.leaves(before)):
+        if a is not b:
+            raise ValueError(f"fit: the step changes {_path_name(path)}, an nnx.Param outside "
+                             f"the optimizer's wrt, which fit passes to every step as a frozen "
+                             f"base and does not keep; make it another nnx.Variable type (as "
+                             f"BatchStat), or train it (wrt).")
+
+
 def _nnx_optimizer(optimizer, who):
     """An nnx model's optimizer, checked (none needed for `evaluate` or weights alone)."""
     if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only)
@@ -2779,13 +2994,15 @@ def _check_data(train, tests, opts, mesh):
         raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data, a tuple (x, "
                          f"y), but train_ds and test_ds yield their own batches (a list is "
                          f"batches); drop batch_size, or pass the arrays as a tuple (x, y).")
-    n, d = train.batch_size, _local_shards(mesh, opts.axis_name or "data")
+    n, d = train.batch_size, _local_shards(mesh, _batch_axes(opts))
     if train.arrays:  # (said in global numbers: batch_size is the global batch)
         n, d = train.global_batch, d * jax.process_count()
     if n % d:
         raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
-                         f"devices ({d}); use {n - n % d or d} or {n + d - n % d}. (Only a smaller "
-                         f"last batch may split unevenly: it runs whole on every device.)")
+                         f"devices its rows split over ({d}, on the batch_axes "
+                         f"{_batch_axes(opts)}); use {n - n % d or d} or {n + d - n % d}. (Only "
+                         f"a smaller last batch may split unevenly: it runs whole on every "
+                         f"device.)")
     if n % (d * opts.grad_accum):
         k = opts.grad_accum
         raise ValueError(f"fit: grad_accum={k} splits each device's rows into {k} equal "
@@ -2829,11 +3046,14 @@ def _check_schedule(state, opts, end):
     is_schedule = lambda x: type(x).__name__ == "WrappedScheduleState"
 
     # An inject_hyperparams schedule's lrs at `step`: with no public call for it, the count of each
-    # schedule's state (found by class name) is set, and one update run.
+    # schedule's state (found by class name) is set, and one update run, of scalar params laid
+    # out as the state's (multi_transform's labels are a tree like them).
+    tiny = jax.tree.map(lambda x: jnp.zeros((), x.dtype), state.params)
+
     def scheduled(step):
         s = jax.tree.map(lambda x: x._replace(count=step) if is_schedule(x) else x,
-                         state.tx.init({}), is_leaf=is_schedule)
-        return _lr_in(state.tx.update({}, s, {})[1])
+                         state.tx.init(tiny), is_leaf=is_schedule)
+        return _lr_in(state.tx.update(tiny, s, tiny)[1])
     try:
         found = jax.jit(jax.vmap(opts.lr_fn or scheduled))(steps)
     except Exception:  # no schedule that fit can see: nothing to say
@@ -3213,6 +3433,11 @@ def _lr_in(tree):
     return dict(zip(labels, [value for _, value in found]))
 
 
+def _is_nnx_state(state):
+    """Whether a TrainState is an nnx model's, as `_adapt` makes it (no apply_fn)."""
+    return getattr(state, "apply_fn", True) is None
+
+
 def _is_nnx(x):
     nnx = sys.modules.get("flax.nnx")  # (no import: it costs runs without nnx ~0.3 s, ~9 MB)
     return nnx is not None and isinstance(x, nnx.Module)
@@ -3234,7 +3459,7 @@ def _name(fn):
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _itself(x):
+def _itself(x, *_):
     return x
 
 
