@@ -3040,7 +3040,8 @@ def _check_schedule(state, opts, end):
     steps_per_epoch: `len((x, y))` is 2), or is 0 throughout (a spent schedule, in a new run from
     a loaded state). Each rate that `optax.inject_hyperparams` keeps, or `lr_fn`."""
     start = int(jax.device_get(state.step))
-    if jax.process_index() != 0 or not end or end - start < 4:
+    if jax.process_index() != 0 or not end or end - start < 4 or not (
+            opts.lr_fn or _lr_in(state.opt_state)):
         return
     steps = np.linspace(start, end - 1, 65).astype(np.int32)
     is_schedule = lambda x: type(x).__name__ == "WrappedScheduleState"
@@ -3048,7 +3049,7 @@ def _check_schedule(state, opts, end):
     # An inject_hyperparams schedule's lrs at `step`: with no public call for it, the count of each
     # schedule's state (found by class name) is set, and one update run, of scalar params laid
     # out as the state's (multi_transform's labels are a tree like them).
-    tiny = jax.tree.map(lambda x: jnp.zeros((), x.dtype), state.params)
+    tiny = jax.tree.map(lambda x: np.zeros((), x.dtype), state.params)
 
     def scheduled(step):
         s = jax.tree.map(lambda x: x._replace(count=step) if is_schedule(x) else x,

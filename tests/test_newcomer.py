@@ -361,7 +361,7 @@ def test_a_schedule_that_ends_early_is_warned_about(tmp_path, one_device_mesh):
     with pytest.warns(UserWarning, match="learning-rate schedule reaches its final value") as seen:
         _schedule_run(tmp_path / "short", one_device_mesh, steps_per_epoch=2, epochs=3)  # 6 of 40
     text = " ".join(str(w.message) for w in seen)
-    assert "trains 40 steps" in text and "step 5" in text, text
+    assert "trains steps 0 to 40" in text and "step 5" in text, text
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         _schedule_run(tmp_path / "right", one_device_mesh, steps_per_epoch=10, epochs=4)
