@@ -400,8 +400,8 @@ def fit(state, train_ds, test_ds=None, **options):
     _check_state(state, opts)
     model = _adapt(state, opts)  # (an nnx model: its variables as a TrainState)
     state, mesh = model.state, _mesh(opts, model.state)
-    train = _Data(train_ds, "train_ds", opts, train=True)
-    tests = _eval_sets(test_ds, "test_ds", opts)  # {name: _Data}; one set's name is None
+    train = _Data(train_ds, "train_ds", opts, train=True, mesh=mesh)
+    tests = _eval_sets(test_ds, "test_ds", opts, mesh)  # {name: _Data}; one set's name: None
     _check_data(train, tests, opts, mesh)
 
     # 2. Place a private copy of the state on the devices (a frozen base: the caller's, if placed).
@@ -573,7 +573,7 @@ def evaluate(state, ds, eval_step=None, **options):
     mesh, state = _mesh(opts, model.state), lean(model.state)
     if ds is None:
         raise ValueError("evaluate: ds is None; pass the data (any form of fit's test_ds).")
-    tests = _eval_sets(ds, "ds", opts)
+    tests = _eval_sets(ds, "ds", opts, mesh)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
     steps = _build_steps(state, None, tests, config, mesh, _place_frozen(model.frozen, mesh))
@@ -907,12 +907,30 @@ def _default_mesh():
     return Mesh(np.array(jax.devices()), ("data",)) if context.empty else context
 
 
-@functools.lru_cache(maxsize=None)
 def _local_shards(mesh, axes):
     """Over how many slices of the batch `axes` this process's devices split its rows."""
+    return len(_slices(mesh, tuple(axes)))
+
+
+@functools.lru_cache(maxsize=None)
+def _slices(mesh, axes):
+    """The slices of a batch's rows (over the batch `axes`, in order) this process's devices hold."""
     at = [mesh.axis_names.index(axis) for axis in axes]
-    return len({tuple(idx[i] for i in at) for idx in np.ndindex(mesh.devices.shape)
-                if mesh.devices[idx].process_index == jax.process_index()})
+    shape = [mesh.devices.shape[i] for i in at]
+    return sorted({int(np.ravel_multi_index([idx[i] for i in at], shape))
+                   for idx in np.ndindex(mesh.devices.shape)
+                   if mesh.devices[idx].process_index == jax.process_index()})
+
+
+def _share(mesh, axes):
+    """`(i, n)`: this process feeds the i-th of n equal shares of every global batch's rows, the
+    slices its devices hold (n = 1 where every process holds all: the batch axes within each)."""
+    mine = _slices(mesh, tuple(axes))
+    if mine != list(range(mine[0], mine[0] + len(mine))) or mine[0] % len(mine):
+        raise ValueError(f"fit: the mesh gives process {jax.process_index()} the batch slices "
+                         f"{mine} (over batch_axes {tuple(axes)}), not one block of them; order "
+                         f"the mesh's devices by process.")
+    return mine[0] // len(mine), math.prod(mesh.shape[a] for a in axes) // len(mine)
 
 
 def _split(x):
@@ -1007,17 +1025,18 @@ def _putter(mesh, axes):
         numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
         return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    shards, processes = _local_shards(mesh, axes), jax.process_count()
+    shards, shares = _local_shards(mesh, axes), _share(mesh, axes)[1]
     rows = axes[0] if len(axes) == 1 else axes  # (the rows split over the batch axes)
     split = [NamedSharding(mesh, P(rows)), NamedSharding(mesh, P(None, rows))]
     whole = _replicated(mesh)
 
     def put(batch, stacked=False):
-        held = isinstance(batch, _Whole)  # (every process holds it all: no gather)
-        batch = tuple(batch) if held else batch
-        splits = not held and jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
+        whole_here = isinstance(batch, _Whole)  # (arrays' last batch, on every process)
+        held = whole_here or shares == 1  # (every process holds all its rows: no gather)
+        batch = tuple(batch) if whole_here else batch
+        splits = not whole_here and jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
         sharding = split[stacked] if splits else whole
-        if processes == 1:
+        if jax.process_count() == 1:
             return jax.device_put(batch, sharding)
         if not (splits or held):  # every device needs the whole global batch: gather all rows
             batch = jax.tree.map(lambda a: np.concatenate(a, axis=int(stacked)),  # (a host round
@@ -1031,7 +1050,7 @@ _replicated = lambda mesh: NamedSharding(mesh, P())
 
 # -- Data: batches and their positions for a resume; steps_per_jit's groups; prefetch ----------
 
-def _eval_sets(ds, who, opts):
+def _eval_sets(ds, who, opts, mesh=None):
     """The eval data as `{name: _Data}`: a dict's named sets, or one set named None; each capped
     by `eval_steps` (an int for all, a dict by name)."""
     if ds is None:
@@ -1041,7 +1060,7 @@ def _eval_sets(ds, who, opts):
         if isinstance(caps, dict):
             raise ValueError(f"fit: eval_steps is a dict by eval set, but {who} is one set, not a "
                              f"dict of named sets; pass eval_steps=<int>.")
-        return {None: _Data(ds, who, opts, train=False, eval_steps=caps)}
+        return {None: _Data(ds, who, opts, train=False, eval_steps=caps, mesh=mesh)}
     if not ds or all(hasattr(v, "__array__") for v in ds.values()):
         raise ValueError(f"fit: a dict {who} is named eval sets {{name: data}}, each value any "
                          f"form of one set (arrays (x, y), batches), got "
@@ -1055,7 +1074,8 @@ def _eval_sets(ds, who, opts):
                          f"{bad or sorted(map(str, unknown))}.")
     if not isinstance(caps, dict):
         caps = dict.fromkeys(ds, caps)
-    return {name: _Data(data, f"{who}[{name!r}]", opts, train=False, eval_steps=caps.get(name))
+    return {name: _Data(data, f"{who}[{name!r}]", opts, train=False, eval_steps=caps.get(name),
+                        mesh=mesh)
             for name, data in ds.items()}
 
 
@@ -1064,8 +1084,10 @@ class _Data:
     on their devices); `position` (batches done, iterator state) is where a checkpoint resumes,
     exactly for arrays, re-iterables, grain-style iterators and deterministic one-shot streams."""
 
-    def __init__(self, ds, name, opts, train, eval_steps=None):
+    def __init__(self, ds, name, opts, train, eval_steps=None, *, mesh=None):
         self.name, self.shuffle, self.seed = name, train, opts.seed
+        # (this process's share of a global batch: `_share`; all of it without a mesh)
+        self.share = _share(mesh, _batch_axes(opts)) if mesh else (0, 1)
         self.keys = opts.batch_keys  # (custom functions take batches as they come)
         self.custom = (opts.train_step if train else opts.eval_step) or opts.nnx_loss_fn
         self.steps_per_epoch = opts.steps_per_epoch if train else eval_steps
@@ -1084,7 +1106,7 @@ class _Data:
                              f"its own devices): fit makes the global batches.")
         self.batch_size, self.ready = jax.tree.leaves(first)[0].shape[0], None  # (this process's)
         if not self.arrays:  # (each process yields its share of every global batch)
-            self.global_batch = self.batch_size * jax.process_count()
+            self.global_batch = self.batch_size * self.share[1]
         if self.sizes is None and isinstance(ds, (list, tuple)):  # in memory: check every batch
             checked = [self._convert(raw, i) for i, raw in enumerate(ds)]
             self.sizes = [len(jax.tree.leaves(batch)[0]) for batch in checked]
@@ -1097,10 +1119,10 @@ class _Data:
         if batch_size is None:
             raise ValueError(f"fit: {self.name} is a pair of arrays (x, y); pass batch_size= so "
                              f"fit can batch them.")
-        if batch_size % jax.process_count():
+        if batch_size % self.share[1]:
             raise ValueError(f"fit: batch_size={batch_size} is the global batch of {self.name} "
                              f"(every process passes the same arrays and takes its share of each "
-                             f"batch), so it must divide by the {jax.process_count()} processes.")
+                             f"batch), so it must divide by the {self.share[1]} processes' shares.")
         # jax.Arrays stay on their devices: their batches are gathered there, not on the host.
         x, y = (a if isinstance(a, jax.Array) else np.asarray(a) for a in ds)
         self.x, self.y, n = x, y, len(x)
@@ -1119,7 +1141,7 @@ class _Data:
         this process's share of the global batch, or all of it (`_Whole`) if it does not split
         evenly over the processes."""
         rows = np.sort(order[i * self.global_batch:(i + 1) * self.global_batch])
-        processes, p = jax.process_count(), jax.process_index()
+        p, processes = self.share
         if processes > 1 and len(rows) % processes:
             return _Whole(self.rows(rows))
         share = len(rows) // processes
@@ -2996,7 +3018,7 @@ def _check_data(train, tests, opts, mesh):
                          f"batches); drop batch_size, or pass the arrays as a tuple (x, y).")
     n, d = train.batch_size, _local_shards(mesh, _batch_axes(opts))
     if train.arrays:  # (said in global numbers: batch_size is the global batch)
-        n, d = train.global_batch, d * jax.process_count()
+        n, d = train.global_batch, d * train.share[1]
     if n % d:
         raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
                          f"devices its rows split over ({d}, on the batch_axes "

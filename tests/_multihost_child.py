@@ -58,6 +58,32 @@ on `train/accuracy` (so every epoch after the first adds 1 to its count, and it 
              must be refused (the loaders' positions are per process); recorded, the child goes
              on.
 
+FSDP scenarios (#42; `run_fsdp_scenario`): an nnx model whose base weights are annotated
+`nnx.with_partitioning(init, ("fsdp", "tp"))` (the embedding's `("tp", "fsdp")`), with a LoRA
+adapter, trained by `nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)` on a masked
+token loss (`token_loss`, a `fit.Weighted`: the global batch's sum over its count); the model
+and the optimizer are built under `jax.set_mesh(mesh)`. Two meshes of ("data", "fsdp", "tp")
+over the 4 devices (`fsdp_mesh`), each with 'fsdp' across the processes (on 2 processes,
+`mesh.devices[:, i, :]` are process i's; on 1 process the same shapes over its 4 devices):
+mesh A (1, 2, 2), 'tp' within each process; mesh B (2, 2, 1), 'data' within each process.
+- `fsdp_list`: mesh A, batch_axes=("data", "fsdp"): a list of 4 global batches of 6 token rows
+             (3 per process: 6 splits over the 2 batch shards, not over the 4 devices), an eval
+             list of 2; 2 epochs, log_every=2.
+- `fsdp_arrays`: mesh A, batch_axes=("fsdp",): the same arrays (tokens, targets) of 22 rows
+             on every process, the global batch_size=6 (3 batches of 6, then one of 4).
+- `fsdp_odd_list`: mesh B, batch_axes=("fsdp", "data"): a list of local batches of 3 rows, which
+             do not split over this process's 2 batch shards; must be refused alike on every
+             process, before any step (recorded; the child goes on).
+- `fsdp_odd_arrays`: mesh B, batch_axes=("fsdp", "data"), arrays with batch_size=6 (divisible by
+             the 2 processes, not by the 4 batch shards): refused alike, recorded, the child goes
+             on.
+Their JSON adds `mesh_processes` (`mesh.devices` as process indices), `kernel_spec` and
+`kernel_addressable` (the base kernel's PartitionSpec after the run, and whether this process
+holds all of it), `events` (the hook events seen: none for a refused run) and `placed` (each
+distinct [PartitionSpec, this process's shape, the global shape] of the arrays fit made with
+`jax.make_array_from_process_local_data`: its batches, on several processes); their npy holds
+the final LoRA adapters (replicated: this process's copy).
+
 Per scenario the child writes `OUTDIR/<name>_<pid>.json` (run names and dirs, this process's
 pid, how many SummaryWriters it opened, the final step, the history, or the exception's type
 and message) and `OUTDIR/<name>_<pid>.npy` (final params and batch_stats as one float64
@@ -393,6 +419,137 @@ def run_data_scenario(scenario, pid, nproc, workdir, outdir, writers):
         print("DONE", scenario, flush=True)
 
 
+# -- FSDP scenarios (#42): batch_axes over a mesh whose 'fsdp' axis spans the processes --------
+
+FSDP_SCENARIOS = {"fsdp_list", "fsdp_arrays", "fsdp_odd_list", "fsdp_odd_arrays"}
+FSDP_REFUSED = {"fsdp_odd_list", "fsdp_odd_arrays"}  # refused alike at the start: go on after
+VOCAB, WIDTH, SEQ = 32, 16, 8
+
+
+def fsdp_mesh(kind):
+    """Mesh A (1, 2, 2) or B (2, 2, 1) of ("data", "fsdp", "tp"): 'fsdp' index i holds process
+    i's devices (on 2 processes), the other axis of size 2 runs over a process's own devices."""
+    from jax.sharding import Mesh
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    by_process = devices.reshape(2, 2)  # [fsdp, the process's own devices]
+    grid = by_process.reshape(1, 2, 2) if kind == "A" else by_process.T.reshape(2, 2, 1)
+    return Mesh(grid, ("data", "fsdp", "tp"))
+
+
+def fsdp_model(mesh):
+    from flax import nnx
+
+    class Tagger(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.emb = nnx.Embed(VOCAB, WIDTH, rngs=rngs, embedding_init=nnx.with_partitioning(
+                nnx.initializers.normal(), ("tp", "fsdp")))
+            self.q = nnx.Linear(WIDTH, WIDTH, rngs=rngs,
+                                kernel_init=nnx.with_partitioning(init, ("fsdp", "tp")))
+            self.out = nnx.Linear(WIDTH, VOCAB, rngs=rngs,
+                                  kernel_init=nnx.with_partitioning(init, ("fsdp", "tp")))
+            self.lq = nnx.LoRA(WIDTH, 4, WIDTH, rngs=rngs)
+
+        def __call__(self, tokens):
+            h = self.emb(tokens)
+            h = h + nnx.relu(self.q(h) + self.lq(h))
+            return self.out(h)
+
+    with jax.set_mesh(mesh):
+        model = Tagger(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+    return model, optimizer
+
+
+def token_loss(logits, targets):
+    """Cross-entropy summed over the counted tokens (targets >= 0), over their count."""
+    from fit import Weighted
+    mask = (targets >= 0).astype(logits.dtype)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets * (targets >= 0))
+    return Weighted((ce * mask).sum(), mask.sum())
+
+
+def token_rows(n, seed):
+    """n rows of SEQ tokens; the targets the next token (a fixed shift), ~20% of them -1 (not
+    counted)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, VOCAB, (n, SEQ)).astype(np.int32)
+    y = np.where(rng.random((n, SEQ)) > 0.2, (x + 1) % VOCAB, -1).astype(np.int32)
+    return x, y
+
+
+def token_batches(count, size, seed, pid, nproc):
+    """`count` global batches of `size` rows; this process's share of each."""
+    x, y = token_rows(count * size, seed)
+    lo, hi = size * pid // nproc, size * (pid + 1) // nproc
+    return [(x[i + lo:i + hi], y[i + lo:i + hi]) for i in range(0, count * size, size)]
+
+
+def run_fsdp_scenario(scenario, pid, nproc, workdir, outdir, writers):
+    """One of FSDP_SCENARIOS (see the module docstring); the same JSON and npy as run_scenario."""
+    from flax import nnx
+    from fit import fit
+    result = {"pid": os.getpid(), "process_index": jax.process_index(),
+              "process_count": jax.process_count(), "devices": jax.device_count()}
+    events = result["events"] = []
+    try:
+        mesh = fsdp_mesh("A" if scenario in ("fsdp_list", "fsdp_arrays") else "B")
+        result["mesh_processes"] = [[[d.process_index for d in row] for row in plane]
+                                    for plane in mesh.devices]
+        model, optimizer = fsdp_model(mesh)
+        kw = dict(optimizer=optimizer, loss_fn=token_loss, mesh=mesh, num_epochs=2, log_every=2,
+                  hooks=[progress, lambda event, run: events.append(event)],
+                  workdir=os.path.join(workdir, scenario), log_name="mh", verbose=0)
+        test = None
+        if scenario == "fsdp_list":
+            kw["batch_axes"] = ("data", "fsdp")
+            train = token_batches(4, 6, 5, pid, nproc)
+            test = token_batches(2, 6, 6, pid, nproc)
+        elif scenario == "fsdp_arrays":
+            kw.update(batch_axes=("fsdp",), batch_size=6)
+            train = token_rows(22, 7)
+        elif scenario == "fsdp_odd_list":
+            kw["batch_axes"] = ("fsdp", "data")
+            train = token_batches(4, 3 * nproc, 5, pid, nproc)  # (3 rows on each process)
+        else:
+            kw.update(batch_axes=("fsdp", "data"), batch_size=6)
+            train = token_rows(22, 7)
+        make = jax.make_array_from_process_local_data
+        placed = result["placed"] = []
+
+        def recording(sharding, data, *args, **kwargs):  # (fit's put on several processes)
+            out = make(sharding, data, *args, **kwargs)
+            seen = [[list(a) if isinstance(a, tuple) else a for a in sharding.spec],
+                    list(np.shape(data)), list(out.shape)]
+            if seen not in placed:
+                placed.append(seen)
+            return out
+
+        jax.make_array_from_process_local_data = recording
+        try:
+            _, history = fit(model, train, test, **kw)
+        finally:
+            jax.make_array_from_process_local_data = make
+        kernel = model.q.kernel.value
+        result.update(run=history.run, step=history["step"][-1],
+                      kernel_spec=[list(a) if isinstance(a, tuple) else a
+                                   for a in kernel.sharding.spec],
+                      kernel_addressable=kernel.is_fully_addressable,
+                      history={k: v for k, v in history.items()})
+        adapters = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)))
+        np.save(os.path.join(outdir, f"{scenario}_{pid}.npy"), np.concatenate(
+            [np.ravel(np.asarray(a.addressable_data(0), np.float64)) for a in adapters]))
+    except BaseException as e:
+        result["error"] = {"type": type(e).__name__, "message": str(e),
+                           "traceback": traceback.format_exc()}
+        if scenario not in FSDP_REFUSED:
+            raise
+    finally:
+        with open(os.path.join(outdir, f"{scenario}_{pid}.json"), "w") as f:
+            json.dump(result, f)
+        print("DONE", scenario, flush=True)
+
+
 def main(scenarios, pid, nproc, port, workdir, outdir):
     if nproc > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -411,7 +568,8 @@ def main(scenarios, pid, nproc, port, workdir, outdir):
 
     fit.SummaryWriter = CountingWriter
     for scenario in scenarios:
-        run = run_data_scenario if scenario in DATA_SCENARIOS else run_scenario
+        run = (run_data_scenario if scenario in DATA_SCENARIOS else run_fsdp_scenario
+               if scenario in FSDP_SCENARIOS else run_scenario)
         run(scenario, pid, nproc, workdir, outdir, writers)
 
 
