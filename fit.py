@@ -1656,39 +1656,52 @@ def _under(mesh, fn):
 
 
 def _default_train_step(config):
-    """The gradient step of linen and nnx models; with `axis_name`, per device (shard_map),
-    averaging as pmap. A `Weighted` loss descends total / weight; `grad_accum`: `_accumulate`."""
-    axis = config.axis_name
+    """fit's own train step: the step's key (each device its own with `axis_name`, where the step
+    runs per device under shard_map), `_gradient_step`, and the gradients' norm at log steps."""
+    grads_of = _accumulate if config.grad_accum > 1 else _value_and_grad
 
     def train_step(state, batch):
         rng = _step_key(state, config.seed)
-        if axis:  # each device draws its own dropout masks
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        has_stats = hasattr(state, "batch_stats")
-
-        def loss_of(params, stats, batch, rng):  # -> (the loss to differentiate, aux)
-            here = state.replace(batch_stats=stats) if has_stats else state
-            out, stats = config.forward(config.loss_fn, here, params, batch, rng, train=True)
-            loss, metrics = _split_loss(out, config.loss_name)
-            return loss.total if isinstance(loss, Weighted) else loss, (loss, metrics, stats)
-
-        stats = getattr(state, "batch_stats", {})
-        if config.grad_accum > 1:
-            grads, loss, metrics, stats = _accumulate(loss_of, state.params, stats, batch, rng,
-                                                      config=config)
-        else:
-            (_, (loss, metrics, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-                state.params, stats, batch, rng)
-            if axis:  # (a Weighted's total and weight alike: their ratio stays)
-                grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
-            if isinstance(loss, Weighted):
-                grads = jax.tree.map(lambda g: g / loss.weight, grads)
-                if axis:  # logged as all devices' total and weight (tokens/s), not their mean
-                    loss = Weighted(*(x * jax.lax.psum(1, axis) for x in loss))
-        grad_norm = _log_norm(state, config, grads)  # (before the update: its step decides)
-        state = state.apply_gradients(grads=grads, **({"batch_stats": stats} if has_stats else {}))
-        return state, {"loss": loss, **metrics, "grad_norm": grad_norm}
+        if config.axis_name:  # each device draws its own dropout masks
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(config.axis_name))
+        new_state, metrics, grads = _gradient_step(state, batch, rng, config, grads_of)
+        return new_state, {**metrics, "grad_norm": _log_norm(state, config, grads)}
     return train_step
+
+
+def _gradient_step(state, batch, rng, config, grads_of):
+    """One gradient step, the math alone, pure (edit it here: bf16 compute, a gradient transform):
+    the model's forward and loss (`config.forward`: linen's `apply_fn`, or an nnx model's call),
+    their gradients by `grads_of` (`_value_and_grad`, or `_accumulate`'s scan of microbatches),
+    the optimizer's update. Returns `(state, metrics, grads)`; fit's bookkeeping (the sums,
+    non-finite steps, the lr, the norms) is around it, in `_train_and_accumulate`."""
+    has_stats = hasattr(state, "batch_stats")
+
+    def loss_of(params, stats, batch, rng):  # -> (the loss to differentiate, aux)
+        here = state.replace(batch_stats=stats) if has_stats else state
+        out, stats = config.forward(config.loss_fn, here, params, batch, rng, train=True)
+        loss, metrics = _split_loss(out, config.loss_name)
+        return loss.total if isinstance(loss, Weighted) else loss, (loss, metrics, stats)
+
+    grads, loss, metrics, stats = grads_of(loss_of, state.params, getattr(
+        state, "batch_stats", {}), batch, rng, config=config)
+    state = state.apply_gradients(grads=grads, **({"batch_stats": stats} if has_stats else {}))
+    return state, {"loss": loss, **metrics}, grads
+
+
+def _value_and_grad(loss_of, params, stats, batch, rng, *, config):
+    """`(grads, loss, metrics, stats)` of a batch in one pass: with `axis_name`, averaged over the
+    devices (as pmap); a `Weighted` loss's gradient is its total's over its weight."""
+    axis = config.axis_name
+    (_, (loss, metrics, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        params, stats, batch, rng)
+    if axis:  # (a Weighted's total and weight alike: their ratio stays)
+        grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
+    if isinstance(loss, Weighted):
+        grads = jax.tree.map(lambda g: g / loss.weight, grads)
+        if axis:  # logged as all devices' total and weight (tokens/s), not their mean
+            loss = Weighted(*(x * jax.lax.psum(1, axis) for x in loss))
+    return grads, loss, metrics, stats
 
 
 def _accumulate(loss_of, params, stats, batch, rng, *, config):
