@@ -400,9 +400,9 @@ def fit(state, train_ds, test_ds=None, **options):
     _check_state(state, opts)
     model = _adapt(state, opts)  # (an nnx model: its variables as a TrainState)
     state, mesh = model.state, _mesh(opts, model.state)
-    train = _Data(train_ds, "train_ds", opts, train=True, mesh=mesh)
-    tests = _eval_sets(test_ds, "test_ds", opts, mesh)  # {name: _Data}; one set's name: None
-    _check_data(train, tests, opts, mesh)
+    train_data = _Data(train_ds, "train_ds", opts, train=True, mesh=mesh)
+    eval_data = _eval_sets(test_ds, "test_ds", opts, mesh)  # {name: _Data}; one set's: None
+    _check_data(train_data, eval_data, opts, mesh)
 
     # 2. Place a private copy of the state on the devices (a frozen base: the caller's, if placed).
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
@@ -410,13 +410,13 @@ def fit(state, train_ds, test_ds=None, **options):
 
     # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
     config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
-    steps = _build_steps(state, train, tests, config, mesh, frozen)
-    plan = _Plan(opts, train, tests, steps, state)
+    steps = _build_steps(state, train_data, eval_data, config, mesh, frozen=frozen)
+    plan = _Plan(opts, train_data, eval_data, steps, state)
     verbose = _verbosity(opts.verbose)
-    _check_plan(opts, train, tests, plan.total)
+    _check_plan(opts, train_data, eval_data, plan.total)
 
     # 4. Open the run: claim it, restore its checkpoint if it goes on, set up the hooks.
-    batching = (train.global_batch, plan.steps_per_epoch)
+    batching = (train_data.global_batch, plan.steps_per_epoch)
     hparams = opts.hparams_used(plan, batching[0], mesh.size)
     builtin = ([ProgressBar(verbose)] if verbose else []) + (
         [TensorBoard(hparams)] if opts.tensorboard and jax.process_index() == 0 else [])
@@ -433,7 +433,7 @@ def fit(state, train_ds, test_ds=None, **options):
     if plan.done(epoch, step) or run.stopping:  # (run.stopping: a hook's stop, for good)
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
-        run.history.timing = _Meter(steps, opts, progress.meter, step).timing(step)  # (no work)
+        run.history.timing = _Clock(steps, opts, step).timing(step)  # (no work done)
         return model.finish(run.end(state, step, epoch), ckpts.frozen), run.history
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
                   f"{step} on {mesh.size} device(s), " + (f"best by {plan.monitor} ({plan.mode})"
@@ -446,22 +446,24 @@ def fit(state, train_ds, test_ds=None, **options):
         with _Signals() as signals:
             ckpts.open()
             run.call("train_start", state, step, epoch)
-            meter = run.meter = _Meter(steps, opts, progress.meter, step)  # its clock starts
-            loop = _Loop(run, meter, ckpts, signals, plan=plan, tests=tests, verbose=verbose,
+            clock = run.clock = _Clock(steps, opts, step)  # time and speed: it starts now
+            dispatch = _Dispatch(steps, clock, opts, step)  # the compiled steps' calls
+            loop = _Loop(run, _Readings(dispatch, opts, progress.meter, step), ckpts, signals,
+                         plan=plan, eval_data=eval_data, verbose=verbose,
                          python=_python_metrics(opts.eval_metrics, model.view))
             due = step  # the step from which the loop checks what is due (here: the first)
             while not (run.stopping or plan.done(epoch, step)):
-                batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
-                                   opts.max_steps, meter.said)
+                batches = _grouped(train_data.epoch(epoch, *position), opts.steps_per_jit, step,
+                                   opts.max_steps, dispatch.said)
                 for batch, position, k, last in _prefetch(batches, steps.put):
-                    state = meter.dispatch(state, batch, k, epoch=epoch, position=position)
+                    state = dispatch(state, batch, k, epoch=epoch, position=position)
                     step += k
                     stop = signals.reason or ckpts.count_call()  # (several processes: each call)
                     if step < due and not (last or stop):
                         continue  # nothing else to do: the host stays ahead of the device
                     loop.log(state, step, epoch, due=plan.due("log", step, k))  # (n calls: n-1)
                     if plan.due("eval", step, k):
-                        loop.evaluate(state, step, epoch)
+                        loop.evals(state, step, epoch)
                     run.stopping = run.stopping or stop or signals.reason
                     cut = plan.done(epoch, step) and not (last or run.stopping)  # by max_steps
                     if last or cut:  # the epoch's end comes before the save of its last step
@@ -471,10 +473,10 @@ def fit(state, train_ds, test_ds=None, **options):
                     if run.stopping or plan.done(epoch, step):
                         break
                     if run.save or plan.due("ckpt", step, k):
-                        loop.save(state, step, epoch, position)
-                    due = plan.next_due(step, now=meter.pending or run.stopping or run.save)
-            loop.save(state, step, epoch, position)  # always: at the end and on every stop
-            with meter.timed("finish"):  # the last save's commit: once a run, not steady work
+                        loop.checkpoint(state, step, epoch, position)
+                    due = plan.next_due(step, now=loop.pending() or run.stopping or run.save)
+            loop.checkpoint(state, step, epoch, position)  # always: at the end and on every stop
+            with clock.timed("finish"):  # the last save's commit: once a run, not steady work
                 ckpts.wait()
             state = run.end(state, step, epoch)
             # A signal after the last step is honoured too, now that the checkpoint is committed.
@@ -482,7 +484,7 @@ def fit(state, train_ds, test_ds=None, **options):
     finally:
         ckpts.close()
         run.close()
-    run.history.timing = meter.timing(step)
+    run.history.timing = clock.timing(step)
     signals.honour(run.stopping, late)
     return model.finish(state, ckpts.frozen), run.history
 
@@ -573,13 +575,14 @@ def evaluate(state, ds, eval_step=None, **options):
     mesh, state = _mesh(opts, model.state), lean(model.state)
     if ds is None:
         raise ValueError("evaluate: ds is None; pass the data (any form of fit's test_ds).")
-    tests = _eval_sets(ds, "ds", opts, mesh)
+    eval_data = _eval_sets(ds, "ds", opts, mesh)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
-    steps = _build_steps(state, None, tests, config, mesh, _place_frozen(model.frozen, mesh))
+    steps = _build_steps(state, None, eval_data, config, mesh,
+                         frozen=_place_frozen(model.frozen, mesh))
     python = _python_metrics(opts.eval_metrics, model.view)
-    out = {name: _evaluate(steps, test, state, name, python=python)
-           for name, test in tests.items()}
+    out = {name: _eval_set(steps, test, state, name, python=python)
+           for name, test in eval_data.items()}
     return out if isinstance(ds, dict) else out[None]
 
 
@@ -755,6 +758,12 @@ class TensorBoard:
                 self.writer.file_writer.add_summary(hparams_summaries({}, {})[2])
             self.writer.close()
             run.writer = self.writer = None
+
+
+def _builtin(hook):
+    """Whether a hook is one fit adds itself (a subclass too): its time counts as fit's, and it
+    closes its bar and files after an error."""
+    return isinstance(hook, (ProgressBar, TensorBoard))
 
 
 def _table(array):
@@ -1090,7 +1099,7 @@ class _Data:
         self.share = _share(mesh, _batch_axes(opts)) if mesh else (0, 1)
         self.keys = opts.batch_keys  # (custom functions take batches as they come)
         self.custom = (opts.train_step if train else opts.eval_step) or opts.nnx_loss_fn
-        self.steps_per_epoch = opts.steps_per_epoch if train else eval_steps
+        self.cap = opts.steps_per_epoch if train else eval_steps  # (batches an epoch, at most)
         # A tuple (x, y) of two arrays (or anything np.asarray takes that has a shape: torch, tf
         # tensors) is arrays; a list is batches, whatever its length.
         self.arrays = isinstance(ds, tuple) and len(ds) == 2 and all(
@@ -1129,7 +1138,7 @@ class _Data:
         if n != len(self.y) or n == 0:
             raise ValueError(f"fit: {self.name} must be two non-empty arrays with the same "
                              f"number of examples, got {n} inputs and {len(self.y)} targets.")
-        self.length = min(math.ceil(n / batch_size), self.steps_per_epoch or math.inf)
+        self.length = min(math.ceil(n / batch_size), self.cap or math.inf)
         self.sizes = [min(batch_size, n - i * batch_size) for i in range(self.length)]
         self.rows, self.global_batch = (lambda idx: (x[idx], y[idx])), batch_size
         if isinstance(x, jax.Array) or isinstance(y, jax.Array):
@@ -1243,17 +1252,17 @@ class _Data:
             yield from ((self._batch(order, i), (i + 1, None)) for i in range(skip, self.length))
             return
         if self.ready is not None:  # a list: nothing to check again
-            for i in range(skip, min(len(self.ready), self.steps_per_epoch or math.inf)):
+            for i in range(skip, min(len(self.ready), self.cap or math.inf)):
                 yield self.ready[i], (i + 1, None)
             return
         if self.stream:
             # A resumed stream restarts: drop what was consumed (exact if it is deterministic).
-            drop = skip + epoch * (self.steps_per_epoch or 0) if self.fresh else skip
+            drop = skip + epoch * (self.cap or 0) if self.fresh else skip
             self.fresh = False
             pairs = ((raw, None) for raw in itertools.islice(self.ds, drop, None))
         else:
             pairs = self._positioned(epoch, skip, data_state)
-        limit, done = self.steps_per_epoch - skip if self.steps_per_epoch else None, skip
+        limit, done = self.cap - skip if self.cap else None, skip
         for done, (raw, position) in enumerate(itertools.islice(pairs, limit), skip + 1):
             yield self._convert(raw, done - 1), (done, position)
         if done == skip and self.shuffle:  # (train_ds; an empty eval says so itself)
@@ -1395,24 +1404,25 @@ def _platform(mesh):
     return mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
 
 
-_Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put frozen "
-                                          "train_sums train_names eval_sums weighted_loss",
-                                defaults=(None,) * 12)  # (built by name)
+_Steps = collections.namedtuple("_Steps", "train train_k evals param_norm acc0 eval0 put frozen "
+                                          "train_sums train_names eval_sums weighted_loss")
+_Steps.__new__.__defaults__ = (None,) * len(_Steps._fields)  # (built by name, each None at first)
 
 
-def _build_steps(state, train, tests, config, mesh, frozen=None):
+def _build_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     """The steps of an earlier call with the same `_StepConfig`, optimizer (in the state's treedef),
     placement and kinds of batches (a notebook cell run again compiles nothing), else new ones;
     `train=None`: the eval steps alone (`evaluate`). Each step takes the `frozen` base last."""
-    tests = tests or {}
-    key = (config, mesh, train and _kinds(train.spec),
-           tuple((n, _kinds(t.spec)) for n, t in tests.items()), jax.tree.structure(state),
+    eval_data = eval_data or {}
+    key = (config, mesh, train_data and _kinds(train_data.spec),
+           tuple((n, _kinds(t.spec)) for n, t in eval_data.items()), jax.tree.structure(state),
            tuple(x.sharding for x in jax.tree.leaves(state)), jax.tree.structure(frozen))
     reuse = config.linen  # (nnx closures hold the model: never kept)
-    steps = _cached(key, reuse, lambda: _new_steps(state, train, tests, config, mesh, frozen))
+    steps = _cached(key, reuse, lambda: _new_steps(state, train_data, eval_data, config, mesh,
+                                                   frozen=frozen))
     # Made at each call, not kept with the steps: the sums' zeros (a finished run leaves no
     # array) and the batches' placement.
-    acc0 = train and jax.device_put(steps.train_sums.zeros(), _replicated(mesh))
+    acc0 = train_data and jax.device_put(steps.train_sums.zeros(), _replicated(mesh))
     eval0 = {name: sums.zeros() for name, sums in steps.eval_sums.items()}
     return steps._replace(acc0=acc0, eval0=jax.device_put(eval0, _replicated(mesh)),
                           put=_putter(mesh, config.batch_axes), frozen=frozen)
@@ -1440,13 +1450,13 @@ def _cached(key, reuse, build):
     return value
 
 
-def _new_steps(state, train, tests, config, mesh, frozen=None):
+def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     """Every jax.jit of the run: the train step (alone, and scanned over `steps_per_jit` stacked
     batches) and the eval steps, each summing metrics on device. Your step is traced for its metric
     names before any compile, jitted alone, so the real call reuses that trace (0.1-0.2 s)."""
-    if train is None:  # (evaluate)
-        fns, sums = _eval_steps(_joined(state, frozen), tests, config, mesh)
-        return _Steps(eval=fns, eval_sums=sums)
+    if train_data is None:  # (evaluate)
+        fns, sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)
+        return _Steps(evals=fns, eval_sums=sums)
     replicated, user_step, seed = _replicated(mesh), config.train_step, config.seed
     who = "train_step" if user_step else config.loss_name
     step_fn = user_step or _default_train_step(config)
@@ -1458,7 +1468,8 @@ def _new_steps(state, train, tests, config, mesh, frozen=None):
     step_fn = jax.jit(_under(mesh, step_fn))
     own = user_step or config.loss_name == "nnx_loss_fn"  # (else fit calls the model)
     step_fn = functools.partial(_step_values, step_fn)
-    metrics = _trace(step_fn, _joined(state, frozen), train.spec, config, not own and "train")[1]
+    metrics = _trace(step_fn, _joined(state, frozen), train_data.spec, config,
+                     not own and "train")[1]
     traced = _metric_names(metrics, who, "loss")
     names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
     norms = [k for k in _NORMS if k in traced or k == "param_norm"]
@@ -1466,15 +1477,15 @@ def _new_steps(state, train, tests, config, mesh, frozen=None):
     lrs = [""] if config.lr_fn is not None else list(_lr_in(state.opt_state))
     lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn is not None else (
         lambda s: jnp.stack(list(_lr_in(s.opt_state).values()))) if lrs else None
-    one = functools.partial(_train_and_accumulate, _Train(step_fn, _TrainSums(names, lrs), lr_of,
-                                                          config))
+    one = functools.partial(_train_and_accumulate, _StepParts(step_fn, _TrainSums(names, lrs),
+                                                              lr_of, config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
     # k steps per call: a scan over a stacked group of k batches (the frozen base outside it).
     train_k = jax.jit(lambda state, acc, batches, frozen=None: jax.lax.scan(
         lambda carry, b: (one(*carry, b, frozen), None), (state, acc), batches,
         unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
-    eval_fns, eval_sums = _eval_steps(_joined(state, frozen), tests, config, mesh)  # (after:
+    eval_fns, eval_sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)  # (after:
     # the train step's advice first)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
     return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=one.args[0].sums,
@@ -1488,18 +1499,18 @@ def _unrolled():
     return jax.default_backend() == "cpu"
 
 
-def _eval_steps(state, tests, config, mesh):
+def _jit_evals(state, eval_data, config, mesh):
     """Each eval set's jitted step and sums' layout, `{set: step}, {set: _EvalSums}`: sets with the
     same kinds of batches share one step (a batch shape compiles once, whichever set feeds it)."""
     built = {}
-    for test in tests.values():
+    for test in eval_data.values():
         if _kinds(test.spec) not in built:
-            built[_kinds(test.spec)] = _eval_step(state, test, config, mesh)
-    each = {name: built[_kinds(test.spec)] for name, test in tests.items()}
+            built[_kinds(test.spec)] = _jit_eval(state, test, config, mesh)
+    each = {name: built[_kinds(test.spec)] for name, test in eval_data.items()}
     return {n: fn for n, (fn, _) in each.items()}, {n: sums for n, (_, sums) in each.items()}
 
 
-def _eval_step(state, test, config, mesh):
+def _jit_eval(state, test, config, mesh):
     """The jitted eval step, `(state, sums, batch) -> (sums, host)` (`_EvalSums.add`), and the
     layout of its sums."""
     eval_step, forward, own = config.eval_step, config.forward, config.loss_name == "nnx_loss_fn"
@@ -1798,7 +1809,7 @@ def _as_dict(metrics, default):
     return metrics if isinstance(metrics, dict) else {default: metrics}
 
 
-_Train = collections.namedtuple("_Train", "step_fn sums lr_of config")  # one train step's parts
+_StepParts = collections.namedtuple("_StepParts", "step_fn sums lr_of config")  # (of one step)
 
 
 def _step_values(step_fn, state, batch):
@@ -1809,17 +1820,17 @@ def _step_values(step_fn, state, batch):
     return new_state, _as_dict(metrics, "loss")
 
 
-def _train_and_accumulate(train, state, acc, batch, frozen=None):
+def _train_and_accumulate(parts, state, acc, batch, frozen=None):
     """One train step plus the on-device bookkeeping: the sums (`_TrainSums`), non-finite steps
     (dropped with `on_nonfinite="skip"`), the lr, a log step's norms. `frozen`: an nnx model's
     frozen base, passed beside the state, neither donated nor returned."""
-    config, skip, state = train.config, train.config.skip, _joined(state, frozen)
-    new_state, metrics = train.step_fn(state, batch)
+    config, skip, state = parts.config, parts.config.skip, _joined(state, frozen)
+    new_state, metrics = parts.step_fn(state, batch)
     _warn_dtypes(new_state, state)
     # "skip" checks the whole state every step, to drop an update that makes it non-finite.
     norm = _param_norm(new_state) if skip else _log_norm(state, config, new_state.params)
     norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)], jnp.float32)
-    values = _totals_and_weights([metrics[k] for k in train.sums.names], 1)
+    values = _totals_and_weights([metrics[k] for k in parts.sums.names], 1)
     finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
     if skip:  # keep the old state on device, no host round trip; the step counts on
         new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
@@ -1827,8 +1838,8 @@ def _train_and_accumulate(train, state, acc, batch, frozen=None):
         values = jnp.where(finite, values, 0.0)  # (its weights too)
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
-    lr = None if train.lr_of is None else train.lr_of(new_state)
-    return _parted(new_state, frozen), train.sums.add(acc, values, norms, lr, finite=finite,
+    lr = None if parts.lr_of is None else parts.lr_of(new_state)
+    return _parted(new_state, frozen), parts.sums.add(acc, values, norms, lr, finite=finite,
                                                       kept=finite | (not skip),
                                                       at_log=_at_log(state, config),
                                                       step=state.step)
@@ -1915,16 +1926,16 @@ def _totals_and_weights(metrics, rows):
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
 
-    def __init__(self, opts, train, tests, steps, state):
+    def __init__(self, opts, train_data, eval_data, steps, state):
         self.num_epochs, self.max_steps = opts.num_epochs, opts.max_steps
-        self.steps_per_epoch = opts.steps_per_epoch or train.length
+        self.steps_per_epoch = opts.steps_per_epoch or train_data.length
         planned = self.steps_per_epoch and self.steps_per_epoch * opts.num_epochs
         self.total = min([n for n in (planned, opts.max_steps) if n], default=None)
         self.every = {"log": opts.log_every, "ckpt": opts.ckpt_every,
-                      "eval": opts.eval_every if tests else None}
-        self.eval_freq, self.has_test = opts.eval_freq, bool(tests)
+                      "eval": opts.eval_every if eval_data else None}
+        self.eval_freq, self.has_test = opts.eval_freq, bool(eval_data)
         averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's)
-        self.ema = averaged and opts.ema_eval and bool(tests)  # evals of the average too
+        self.ema = averaged and opts.ema_eval and bool(eval_data)  # evals of the average too
         python = list(opts.eval_metrics or {})  # (computed in Python: _python_metrics)
         eval_names = {name: sums.names + python for name, sums in steps.eval_sums.items()}
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, steps.train_names,
@@ -2011,7 +2022,7 @@ class _Progress:
     epoch: int = 0
     position: Any = (0, None)  # batches done in the epoch, the data iterator's state after them
     positions: Any = None      # each process's position (several processes), by process index
-    meter: Any = None          # the train metrics' sums (_Meter.sums)
+    meter: Any = None          # the train metrics' sums (_Readings.sums)
     history: Any = dataclasses.field(default_factory=lambda: {"epoch": [], "step": []})
     best: Any = None           # the best monitored value, its step, the kept best values
     best_step: Any = None
@@ -2025,6 +2036,9 @@ class _Progress:
     base: Any = None           # an nnx frozen base's fingerprint, if not saved (save_frozen)
     options: Any = None        # the HParams of the call that wrote it (a resume says changes)
     changed = {}  # (not saved: {option: (before, now)} of a resumed call)
+    # Fields a call sets (a resume keeps them, the checkpoint's checked), and a run's first call;
+    # every other field moves during a run: each save writes them all (`saving`).
+    CALL, RUN = ("target", "seed", "batching", "options", "base"), ("start",)
 
     @classmethod
     def read(cls, meta):
@@ -2058,8 +2072,7 @@ class _Progress:
         """This call's progress from a checkpoint's (`saved`), keeping this call's
         target, seed, batching and options; a hook's stop holds only if the run goes no further
         than that one did. Options that differ from the saved call's are recorded."""
-        keep = {"target", "seed", "batching", "options", "base"}
-        for name in {f.name for f in dataclasses.fields(self)} - keep:
+        for name in {f.name for f in dataclasses.fields(self)} - set(self.CALL):
             setattr(self, name, getattr(saved, name))
         if saved.positions and len(saved.positions) == jax.process_count():  # (each its own)
             self.position = saved.positions[jax.process_index()]
@@ -2067,6 +2080,14 @@ class _Progress:
         before, now = saved.options or {}, self.options or {}
         self.changed = {k: (before.get(k), now.get(k)) for k in sorted({*before, *now})
                         if before and before.get(k) != now.get(k)}
+
+    def saving(self, **moving):
+        """At a save: every field that moves during a run, each one given (one left out would be
+        saved stale, with the value of the first call)."""
+        fields = {f.name for f in dataclasses.fields(self)} - {*self.CALL, *self.RUN}
+        if moving.keys() != fields:
+            raise TypeError(f"_Progress.saving: got {sorted(moving)}, not {sorted(fields)}.")
+        vars(self).update(moving)
 
     def final(self, num_epochs, max_steps):
         """Whether a hook ended the run for good: it goes on only if asked to go further."""
@@ -2204,7 +2225,7 @@ class _Checkpoints:
         if self.mgr.reached_preemption(self.calls):
             return "preemption"
 
-    def save(self, step, state, value):
+    def write(self, step, state, value):
         self.wait()  # the previous save commits first (orbax would wait here too)
         with self._failure(step):
             whole = _with_base(state, self.frozen) if self.save_frozen else state
@@ -2450,7 +2471,7 @@ class _Run:
         self.stopping = progress.stop  # (a hook's stop, for good: _Progress.go_on)
         self.stopped_early = self.interrupted = self.stop = self.save = False
         self.event = self.step = self.epoch = self.state = None
-        self.metrics, self.arrays, self.last_eval, self.meter = {}, {}, None, None  # (meter: set
+        self.metrics, self.arrays, self.last_eval, self.clock = {}, {}, None, None  # (clock: set
         # once it runs)
 
     best = property(lambda self: self.best_of.value)  # (the best monitored value so far)
@@ -2465,8 +2486,8 @@ class _Run:
         self.stopping = self.stopping or stop
         for hook, name in zip(self.hooks, self.hook_names):
             # Your hooks' time is left out of steps/s (`hooks_s`); the built-in ones' stays in.
-            with contextlib.nullcontext() if type(hook) in (ProgressBar, TensorBoard) or \
-                    not self.meter else self.meter.timed("hooks"):
+            with contextlib.nullcontext() if _builtin(hook) or not self.clock else \
+                    self.clock.timed("hooks"):
                 hook(event, self)
             if self.state is not state and event != "train_end":
                 raise ValueError(f"fit: hook {_name(hook)} assigned run.state at {event!r}, "
@@ -2490,10 +2511,10 @@ class _Run:
     def timed(self, name):
         """`with run.timed("upload"):` a hook's own work, as `history.timing["upload_s"]`; all of
         your hooks' time is kept out of steps/s anyway, as `hooks_s`."""
-        if self.meter and name in self.meter.spent:
+        if self.clock and name in self.clock.spent:
             raise ValueError(f"fit: run.timed({name!r}) would add to fit's own {name}_s; "
                              f"name your part otherwise.")
-        return self.meter.timed(name) if self.meter else contextlib.nullcontext()
+        return self.clock.timed(name) if self.clock else contextlib.nullcontext()
 
     def record(self, row, *items):
         for name, value in [*items, *row.items()]:
@@ -2509,7 +2530,7 @@ class _Run:
         """After an error: the built-in hooks close bar and files (the user's get no train_end)."""
         if self.event != "train_end":
             self.interrupted = True
-            for hook in [h for h in self.hooks if isinstance(h, (TensorBoard, ProgressBar))]:
+            for hook in filter(_builtin, self.hooks):
                 hook("train_end", self)
 
 
@@ -2539,42 +2560,21 @@ def _megabytes(n):
     return f"{n / 1e6:.1f} MB"
 
 
-class _Meter:
-    """The host side of train metrics and time: sums read one step late, so the host never waits,
-    and checkpointed (`sums`), so a resumed run logs what an uninterrupted one would."""
+class _Dispatch:
+    """The compiled steps' calls: dispatches step n (or k steps) and keeps their on-device sums
+    (`take`); only a new batch shape waits, to compile and to time it, and XLA's estimates of it
+    (FLOPs for `_Clock`, the memory, said before its first step)."""
 
-    def __init__(self, steps, opts, sums, step):
-        self.steps, self.acc = steps, steps.acc0
-        self.skipping, self.norms = opts.on_nonfinite == "skip", {}
-        # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
-        self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
-        self.pending, self.calls = collections.deque(), 0  # log points to read, calls made
-        self.lr, self.logged, self.first_step = {}, step, step
-        self.compiled, self.inflight, self.compile_shown = {}, collections.deque(), 0.0
-        # The batch shapes fed since the last log point, where they changed (_agree_shapes).
+    def __init__(self, steps, clock, opts, step):
+        self.steps, self.clock, self.acc, self.calls = steps, clock, steps.acc0, 0
+        self.compiled, self.inflight = {}, collections.deque()  # {shape: (rows, FLOPs)}
+        # The batch shapes fed since the last log point, where they changed (agree_shapes).
         self.shape, self.changes, self.fed, self.said = None, [], step, set()
-        # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
-        self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data", "hooks")}
-        self.within = {}  # what `run.timed` measures inside another timed part (not subtracted)
-        self.spent_steps, self.data_logged, self.timing_now = 0, 0.0, False
-        self.t0 = self.t_ready = self.t_logged = time.perf_counter()
-        self.t_end = None
-        # Speed beyond steps/s (speed()): the steady calls' rows and FLOPs (over `counted` steps),
-        # the loss's weights.
-        self.rows = self.flops = self.tokens = 0.0
-        self.counted = 0
-        self.summed, self.weighted = 0, steps.weighted_loss and "loss" in steps.train_sums.names
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
-        self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
-        # XLA's memory estimate of the compiled step, per device (the largest shape's)
-        self.estimate = dict.fromkeys(("step_argument_bytes", "step_output_bytes",
-                                       "step_temp_bytes"))
-        self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
 
-    def dispatch(self, state, batch, k, *, epoch=0, position=(0, None)):
-        """Dispatches step n (or k steps); only a new batch shape waits, to time its compile. A new
-        shape that fails is named, with where it is (`epoch`, `position`)."""
-        self.spent["data"][0] += time.perf_counter() - self.t_ready
+    def __call__(self, state, batch, k, *, epoch=0, position=(0, None)):
+        """Step n (or k steps) on `batch`; a new shape that fails is named, with where it is."""
+        self.clock.fetched()
         shape = (k, *(a.shape for a in jax.tree.leaves(batch)))
         if shape != self.shape:  # (length buckets: a new shape)
             self.shape = shape
@@ -2583,22 +2583,11 @@ class _Meter:
         train = self.steps.train if k == 1 else self.steps.train_k
         if cost := self.compiled.get(shape):  # (rows, FLOPs per device) of a call of this shape
             state, self.acc = train(state, self.acc, batch, self.steps.frozen)
-            self.rows, self.flops = self.rows + cost[0], self.flops + cost[1]
-            self.counted += k  # (the steps those rows and FLOPs are of)
+            self.clock.ran(k, *cost)
         else:  # one wait per new shape, so compile time is kept out of the rate
-            if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
-                _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build"
-                                   " it with optax.inject_hyperparams(...), or pass lr_fn=.")
             try:
-                with self.timed("compile", k):
-                    check = None if self.compiled else self._compile_check(state)
-                    # Compiled ahead, to read XLA's estimates; the call below reuses the executable.
-                    frozen = self.steps.frozen
-                    cost = self._analyse(train.lower(state, self.acc, batch, frozen).compile(),
-                                         shape)
-                    state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
-                    if check:
-                        check.join()
+                with self.clock.timed("compile", k):
+                    state = self._compile(train, state, batch, shape)
             except Exception as e:
                 if not self.compiled:  # (the first batch: the trace's own checks explain it)
                     raise
@@ -2608,15 +2597,28 @@ class _Meter:
                                  f"from the first batch's {first[1:]}: does the model take inputs "
                                  f"of that shape? ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:300]})") from e
-            self.compiled[shape] = cost  # (a dict: the first shape comes first)
-            if len(self.compiled) == _MANY_SHAPES:
-                warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, "
-                              f"and each new shape compiles the step again; pad them to a few "
-                              f"lengths (buckets) instead.")
         self.inflight.append(self.acc["count"])
         if len(self.inflight) > _AHEAD:  # no queue of batches (and, measured, a faster host)
             self.inflight.popleft().block_until_ready()
-        self.t_ready = time.perf_counter()
+        self.clock.ready()
+        return state
+
+    def _compile(self, train, state, batch, shape):
+        """A new shape's call, compiled ahead to read XLA's estimates (the call reuses the
+        executable); the first shape's with the check before saves beside it (`_compile_check`)."""
+        if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
+            _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build it "
+                               "with optax.inject_hyperparams(...), or pass lr_fn=.")
+        check, frozen = None if self.compiled else self._compile_check(state), self.steps.frozen
+        self.compiled[shape] = self._analyse(train.lower(state, self.acc, batch, frozen).compile(),
+                                             shape)  # (a dict: the first shape comes first)
+        state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
+        if check:
+            check.join()
+        if len(self.compiled) == _MANY_SHAPES:
+            warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, and "
+                          f"each new shape compiles the step again; pad them to a few lengths "
+                          f"(buckets) instead.")
         return state
 
     def _compile_check(self, state):
@@ -2641,46 +2643,62 @@ class _Meter:
         cost = compiled.cost_analysis()
         cost = (cost[0] if isinstance(cost, list) else cost) or {}
         flops = cost.get("flops", 0.0) * (1 if k == 1 or _unrolled() else k) * self.grad_accum
-        memory = compiled.memory_analysis()
+        memory, estimate = compiled.memory_analysis(), self.clock.estimate
         if memory is not None:
             new = {f"step_{part}_bytes": getattr(memory, f"{part}_size_in_bytes")
                    for part in ("argument", "output", "temp")}
-            if self.estimate["step_argument_bytes"] is None:  # (the first shape's: said)
+            if estimate["step_argument_bytes"] is None:  # (the first shape's: said)
                 total = sum(new.values()) - memory.alias_size_in_bytes  # (the donated state)
                 parts = ", ".join(f"{name} {_megabytes(n)}" for name, n in zip(
                     ("arguments", "outputs", "temporaries"), new.values()))
                 _say(self.verbose, f"fit: the compiled train step needs about {_megabytes(total)}"
                                    f" per device ({parts}: XLA's estimate).")
-            self.estimate = {key: max(v, self.estimate[key] or 0) for key, v in new.items()}
+            estimate.update({key: max(v, estimate[key] or 0) for key, v in new.items()})
         return rows, flops
 
-    def read(self, step, log_due, sync=False):
-        """`[(step, metrics)]` of the log points ready now: a log point's sums are read `_LAG`
-        calls later, when the device has finished them and still has steps queued to run while
-        the host logs; with `sync` (an epoch's end, a save), at once."""
-        ready = []
-        while self.pending and (sync or self.calls - self.pending[0][3] >= _LAG):
-            ready.append(self.pending.popleft())
-        if log_due or sync:
-            if jax.process_count() > 1:
-                self._agree_shapes(step)
-            this, self.acc = (self.acc, step, log_due, self.calls), self.steps.acc0
-            if sync:
-                ready.append(this)
-            else:
-                self.pending.append(this)
-        logged = []
-        for acc, at, log, _ in ready:
-            self._add(jax.device_get(acc), at)
-            logged += self._interval(at) if log else []
-        return logged
+    def take(self):
+        """The sums of the calls since the last `take`, and the calls made; the sums start anew."""
+        acc, self.acc = self.acc, self.steps.acc0
+        return acc, self.calls
 
-    def _agree_shapes(self, step):
+    def agree_shapes(self, step):
         """Every process fed batches of the same shapes since the last log point (_check_data)."""
         fed = "; ".join(f"step {s + 1}: {shape[1:]}" for s, shape in self.changes)
         _agree(fed or "no new shape", f"the processes fed batches of different shapes by step "
                                       f"{step}")
         self.changes = []
+
+
+class _Readings:
+    """The train metrics on the host: the sums of the calls up to a log point, read `_LAG` calls
+    later, when the device has finished them, so the host never waits; the means of the log
+    interval and the epoch, checkpointed (`sums`), so a resumed run logs what an uninterrupted one
+    would; the non-finite values they show, which raise."""
+
+    def __init__(self, dispatch, opts, sums, step):
+        self.dispatch, self.steps, self.clock = dispatch, dispatch.steps, dispatch.clock
+        self.skipping, self.norms, self.lr, self.logged = opts.on_nonfinite == "skip", {}, {}, step
+        # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
+        self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
+        self.pending = collections.deque()  # log points to read: (sums, step, log?, calls)
+
+    def read(self, step, log_due, sync=False):
+        """`[(step, metrics)]` of the log points ready now: a log point's sums are read `_LAG`
+        calls later, when the device has finished them and still has steps queued to run while
+        the host logs; with `sync` (an epoch's end, a save), at once."""
+        ready, calls = [], self.dispatch.calls
+        while self.pending and (sync or calls - self.pending[0][3] >= _LAG):
+            ready.append(self.pending.popleft())
+        if log_due or sync:
+            if jax.process_count() > 1:
+                self.dispatch.agree_shapes(step)
+            acc, calls = self.dispatch.take()
+            (ready if sync else self.pending).append((acc, step, log_due, calls))
+        logged = []
+        for acc, at, log, _ in ready:
+            self._add(jax.device_get(acc), at)
+            logged += self._interval(at) if log else []
+        return logged
 
     def _add(self, acc, step):
         n, n_bad, first_bad, values, norms, lr = self.steps.train_sums.read(acc)
@@ -2693,8 +2711,7 @@ class _Meter:
             self.norms = {f"train/{k}": v for k, v in zip(_NORMS, norms)
                           if k in self.steps.train_names}
             self.check(step, norms[1] if math.isfinite(norms[0]) else norms[0])
-        self.summed += n
-        self.tokens += values["loss"][1] if self.weighted else 0.0
+        self.clock.sums_read(n, values.get("loss", (0, 0))[1])
         for part in (self.sums["log"], self.sums["epoch"]):
             part[0] += n
             part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
@@ -2706,18 +2723,8 @@ class _Meter:
         """The means of the interval that ends at `step`, with the learning rate and speed."""
         if step == self.logged:
             return []
-        means = {**self.means("log"), **self.norms}  # (no means: every step was skipped)
-        self.norms = {}
-        means |= self.lr
-        now, rate = time.perf_counter(), self.steady_rate(step)
-        if rate:
-            means["perf/steps_per_s"] = rate
-            means |= {f"perf/{k}": v for k, v in self.speed(step).items() if v is not None}
-        waited = self.spent["data"][0] - self.data_logged
-        means["perf/data_wait_fraction"] = waited / max(now - self.t_logged, 1e-9)
-        if self.spent["compile"][0] > self.compile_shown:  # at first, then for each new shape
-            means["perf/compile_s"] = self.compile_shown = self.spent["compile"][0]
-        self.logged, self.t_logged, self.data_logged = step, now, self.spent["data"][0]
+        means = {**self.means("log"), **self.norms, **self.lr, **self.clock.perf(step)}
+        self.norms, self.logged = {}, step  # (no means: every step was skipped)
         return [(step, means)]
 
     def check(self, step, norm, state=None):
@@ -2748,6 +2755,41 @@ class _Meter:
         if self.skipping:
             means["train/skipped_steps"] = self.sums["skipped"]
         return means
+
+
+class _Clock:
+    """Time and speed: what the steady rate leaves out (compiles, evals, saves, the last commit,
+    your hooks), the steady rate, the speed figures of a log point, and `timing`, the run's."""
+
+    def __init__(self, steps, opts, step):
+        # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
+        self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data", "hooks")}
+        self.within = {}  # what `run.timed` measures inside another timed part (not subtracted)
+        self.spent_steps, self.first_step, self.timing_now = 0, step, False
+        self.t0 = self.t_ready = self.t_logged = time.perf_counter()
+        self.t_end, self.data_logged, self.compile_shown = None, 0.0, 0.0
+        # The steady calls' rows and FLOPs (over `counted` steps), the loss's weights (over
+        # `summed` steps): their means a step x steps/s are the speed figures.
+        self.rows = self.flops = self.tokens = 0.0
+        self.counted = self.summed = 0
+        self.weighted = steps.weighted_loss and "loss" in steps.train_sums.names
+        self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
+        # XLA's memory estimate of the compiled step, per device (the largest shape's: _Dispatch)
+        self.estimate = dict.fromkeys(("step_argument_bytes", "step_output_bytes",
+                                       "step_temp_bytes"))
+        self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
+
+    def fetched(self):  # (a batch fetched: the host's wait for data, since the last call)
+        self.spent["data"][0] += time.perf_counter() - self.t_ready
+
+    def ready(self):
+        self.t_ready = time.perf_counter()
+
+    def ran(self, k, rows, flops):  # (a steady call of k steps)
+        self.rows, self.flops, self.counted = self.rows + rows, self.flops + flops, self.counted + k
+
+    def sums_read(self, steps, tokens):  # (the sums of `steps` read: their loss's weights)
+        self.summed, self.tokens = self.summed + steps, self.tokens + tokens * self.weighted
 
     @contextlib.contextmanager
     def timed(self, what, steps=0):
@@ -2785,15 +2827,30 @@ class _Meter:
         rate = self.steady_rate(step)
         # Every figure is its mean per step x steps/s, so all cover the same steps (the rows and
         # FLOPs are summed as calls are dispatched, one call past a log point's step).
-        per_step = lambda total: rate and self.counted and total / self.counted * rate or None
-        out = {"examples_per_s": per_step(self.rows), "tflops_per_s": per_step(self.flops / 1e12)}
+        per_step = lambda total, n: rate and n and total / n * rate or None
+        out = {"examples_per_s": per_step(self.rows, self.counted),
+               "tflops_per_s": per_step(self.flops / 1e12, self.counted)}
         if self.weighted:
-            out["tokens_per_s"] = rate and self.summed and self.tokens / self.summed * rate or None
+            out["tokens_per_s"] = per_step(self.tokens, self.summed)
         if self.peak:
             out["mfu"] = out["tflops_per_s"] and out["tflops_per_s"] / self.peak
         if self.devices:  # (read at log points only: a query per device)
             out["memory_gb"] = max(d.memory_stats().get("peak_bytes_in_use", 0)
                                    for d in self.devices) / 1e9
+        return out
+
+    def perf(self, step):
+        """A log point's `perf/` figures: steps/s and `speed`, the share of time waiting for
+        data since the last one, the compile time (at first, then for each new shape)."""
+        now, rate, out = time.perf_counter(), self.steady_rate(step), {}
+        if rate:
+            out["perf/steps_per_s"] = rate
+            out |= {f"perf/{k}": v for k, v in self.speed(step).items() if v is not None}
+        waited = self.spent["data"][0] - self.data_logged
+        out["perf/data_wait_fraction"] = waited / max(now - self.t_logged, 1e-9)
+        if self.spent["compile"][0] > self.compile_shown:
+            out["perf/compile_s"] = self.compile_shown = self.spent["compile"][0]
+        self.t_logged, self.data_logged = now, self.spent["data"][0]
         return out
 
     def timing(self, step):
@@ -2812,17 +2869,20 @@ class _Loop:
     """The loop's body around its steps, built once by `fit`: the log points (`log`, with the
     `poll`), an eval, an epoch's end, a save. It holds the run's parts, so none is handed around."""
 
-    def __init__(self, run, meter, ckpts, signals, *, plan, tests, python, verbose):
-        self.run, self.meter, self.ckpts, self.signals = run, meter, ckpts, signals
-        self.plan, self.tests, self.python, self.verbose = plan, tests, python, verbose
+    def __init__(self, run, readings, ckpts, signals, *, plan, eval_data, python, verbose):
+        self.run, self.readings, self.ckpts, self.signals = run, readings, ckpts, signals
+        self.plan, self.eval_data, self.python, self.verbose = plan, eval_data, python, verbose
 
     def log(self, state, step, epoch, *, due=False, sync=False):
-        """A `log` event for each log point whose sums `_Meter.read` returns; at the loop's own
+        """A `log` event for each log point whose sums `_Readings.read` returns; at the loop's own
         log points (not `sync`), first the poll."""
-        logged = self.meter.read(step, due, sync)
+        logged = self.readings.read(step, due, sync)
         save, stop = self.poll() if logged and not sync else (False, None)
         for at, metrics in logged:
             self.run.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
+
+    def pending(self):  # (log points whose sums are to be read at the next call)
+        return bool(self.readings.pending)
 
     def poll(self):
         """`(save, stop)`: whether `ckpt_interval` has passed, a signal to one of several processes;
@@ -2830,7 +2890,7 @@ class _Loop:
         self.ckpts.raise_failed()
         return time.monotonic() - self.ckpts.last_time >= self.ckpts.interval, self.signals.asked
 
-    def evaluate(self, state, step, epoch):
+    def evals(self, state, step, epoch):
         """An eval of every set: `eval/<metric>`, or `eval/<set>/<metric>` for named sets; with
         `plan.ema`, the average's too, `eval_ema/...`. Every metric is computed first (fit's, then
         `eval_metrics`'), then recorded, ranked and shown to the hooks, all the same values."""
@@ -2839,8 +2899,8 @@ class _Loop:
             states["eval_ema"] = state.replace(params=_ema_params(state.opt_state))
         metrics, arrays = {}, {}
         for part, of in states.items():
-            for name, test in self.tests.items():
-                values = _evaluate(self.meter.steps, test, of, name, meter=self.meter,
+            for name, test in self.eval_data.items():
+                values = _eval_set(self.readings.steps, test, of, name, clock=self.run.clock,
                                    python=self.python)
                 for k, v in values.items():  # (arrays: to hooks and TensorBoard, not the history)
                     (arrays if isinstance(v, np.ndarray) else metrics)[_metric_tag(part, name, k)] = v
@@ -2854,35 +2914,36 @@ class _Loop:
         cut it)."""
         run = self.run
         self.log(state, step, epoch, due=True, sync=True)
-        row = self.meter.means("epoch", reset=complete)  # (a cut epoch's sums go on on resume)
+        row = self.readings.means("epoch", reset=complete)  # (a cut epoch's sums go on on
+        # resume)
         run.record(row, ("epoch", epoch + 1), ("step", step))
         run.save = run.best_of.track(row, step) or run.save  # (a train/ monitor's)
         run.call("epoch_end", state, step, epoch, metrics=row)
         last = self.plan.done(epoch + complete, step)
         if self.plan.eval_at_epoch_end(epoch + 1, last) and run.last_eval != step:
-            self.evaluate(state, step, epoch)
+            self.evals(state, step, epoch)
 
-    def save(self, state, step, epoch, position):
+    def checkpoint(self, state, step, epoch, position):
         """A checkpoint of this step (asynchronous) with all the run depends on (`_Progress`);
         first the metrics are read and the parameters checked, so a NaN state is never written."""
-        run, meter = self.run, self.meter
+        run, readings = self.run, self.readings
         if step == self.ckpts.saved:
             return
         self.log(state, step, epoch, sync=True)
-        with meter.timed("save"):  # (the check, the hooks and orbax's blocking part)
-            meter.check(step, None, state)
+        with run.clock.timed("save"):  # (the check, the hooks and orbax's blocking part)
+            readings.check(step, None, state)
             run.call("save", state, step, epoch)
             if run.stopping:
                 run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
             best, value = run.best_of, run.best_of.rank(step)  # (first: the record holds it)
             position = position if position[0] else (0, None)
-            vars(self.ckpts.progress).update(
-                epoch=epoch, position=position, positions=_gathered(position), meter=meter.sums,
+            self.ckpts.progress.saving(
+                epoch=epoch, position=position, positions=_gathered(position), meter=readings.sums,
                 history=run.history, best=best.value, best_step=best.step, top=best.top,
                 stop=None if run.stopping in _SIGNALS else run.stopping,
                 hooks={name: h.get_state() for h, name in zip(run.hooks, run.hook_names)
                        if hasattr(h, "get_state")})
-            self.ckpts.save(step, state, value)
+            self.ckpts.write(step, state, value)
         run.save = False
         if run.stopping in _SIGNALS:
             _say(self.verbose, f"fit: stopped by {run.stopping} at step {step}; checkpoint "
@@ -2912,12 +2973,12 @@ def _metric_tag(part, eval_set, metric):
     return f"{part}/{metric}" if eval_set is None else f"{part}/{eval_set}/{metric}"
 
 
-def _evaluate(steps, test, state, name=None, *, meter=None, python=None):
+def _eval_set(steps, test, state, name=None, *, clock=None, python=None):
     """Metrics over one eval set, `{name: float or ndarray}`: summed on device and read once (a
     state merged on the host: each batch's read one batch late, as the next runs), then the ones
-    computed in Python (`python`); `meter`: its time is left out of the rate."""
-    with meter.timed("eval") if meter else contextlib.nullcontext():
-        acc, step, sums = steps.eval0[name], steps.eval[name], steps.eval_sums[name]
+    computed in Python (`python`); `clock`: its time is left out of the rate."""
+    with clock.timed("eval") if clock else contextlib.nullcontext():
+        acc, step, sums = steps.eval0[name], steps.evals[name], steps.eval_sums[name]
         host, last = {}, {}
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), steps.put):
             acc, out = step(state, acc, batch, steps.frozen)
@@ -3022,18 +3083,18 @@ def _nnx_optimizer(optimizer, who):
     return optimizer
 
 
-def _check_data(train, tests, opts, mesh):
+def _check_data(train_data, eval_data, opts, mesh):
     """The batching, and that every process feeds the same batches' count and shapes (else a
     collective hangs): every process compares the same table, once, and raises the same error."""
-    if opts.batch_size is not None and not any(d.arrays for d in (train, *tests.values())):
+    if opts.batch_size is not None and not any(d.arrays for d in (train_data, *eval_data.values())):
         raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data, a tuple (x, "
                          f"y), but train_ds and test_ds yield their own batches (a list is "
                          f"batches); drop batch_size, or pass the arrays as a tuple (x, y).")
-    n, d = train.batch_size, _local_shards(mesh, _batch_axes(opts))
-    if train.arrays:  # (said in global numbers: batch_size is the global batch)
-        n, d = train.global_batch, d * train.share[1]
+    n, d = train_data.batch_size, _local_shards(mesh, _batch_axes(opts))
+    if train_data.arrays:  # (said in global numbers: batch_size is the global batch)
+        n, d = train_data.global_batch, d * train_data.share[1]
     if n % d:
-        raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
+        raise ValueError(f"fit: the train_data batch size ({n}) must be divisible by the number of "
                          f"devices its rows split over ({d}, on the batch_axes "
                          f"{_batch_axes(opts)}); use {n - n % d or d} or {n + d - n % d}. (Only "
                          f"a smaller last batch may split unevenly: it runs whole on every "
@@ -3041,28 +3102,28 @@ def _check_data(train, tests, opts, mesh):
     if n % (d * opts.grad_accum):
         k = opts.grad_accum
         raise ValueError(f"fit: grad_accum={k} splits each device's rows into {k} equal "
-                         f"microbatches, but the train batch size ({n}) gives {d} device(s) "
+                         f"microbatches, but the train_data batch size ({n}) gives {d} device(s) "
                          f"{n // d} rows each; use a batch size divisible by devices x grad_accum "
                          f"= {d * k}, e.g. {n + d * k - n % (d * k)}.")
-    if jax.process_count() > 1 and train.length is None and not (
+    if jax.process_count() > 1 and train_data.length is None and not (
             opts.steps_per_epoch or opts.max_steps):
         raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
                          "needs steps_per_epoch= or max_steps=, so all run the same steps.")
     if jax.process_count() > 1:
-        _agree("; ".join(d.describe() for d in (train, *tests.values())),
+        _agree("; ".join(d.describe() for d in (train_data, *eval_data.values())),
                "the processes' data disagree")
 
 
-def _check_plan(opts, train, tests, total):
+def _check_plan(opts, train_data, eval_data, total):
     """Raises for a one-shot iterator (a generator) that the run would read more than once."""
-    if train.stream and opts.num_epochs > 1 and not opts.steps_per_epoch:
+    if train_data.stream and opts.num_epochs > 1 and not opts.steps_per_epoch:
         raise ValueError(f"fit: train_ds is a one-shot iterator (a generator), read only once, "
                          f"but num_epochs={opts.num_epochs}; pass a re-iterable (a list, a loader,"
                          f" arrays (x, y) with batch_size=), steps_per_epoch= to take that many "
                          f"batches of the stream each epoch, or max_steps= for an endless one.")
     evals = (math.ceil(total / opts.eval_every) if total else 2) if opts.eval_every else \
         math.ceil(opts.num_epochs / opts.eval_freq)
-    for test in tests.values():
+    for test in eval_data.values():
         if test.stream and evals > 1:
             raise ValueError(f"fit: {test.name} is a one-shot iterator (a generator), read only "
                              f"once, but this run evaluates about {evals} times; pass a "
