@@ -71,6 +71,7 @@ import time
 import traceback
 import types
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 try:
@@ -97,7 +98,7 @@ __all__ = ["TrainState", "Weighted", "lr_schedule", "ema", "Options", "fit", "ev
            "load_ckpt", "History", "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
 
 
-# -- Public building blocks, the options and fit -----------------------------------------------
+# -- Public building blocks, the options and fit ---------------------------------------------------
 
 class TrainState(train_state.TrainState):
     """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the base key (None:
@@ -110,7 +111,8 @@ class TrainState(train_state.TrainState):
     rng: Any = flax.struct.field(default=None, kw_only=True)
 
     @classmethod
-    def create(cls, *, apply_fn, params, tx=None, **kwargs):
+    def create(cls, *, apply_fn: Callable | None, params: Any, tx: Any = None,
+               **kwargs: Any) -> "TrainState":
         if tx is not None:
             return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         return cls(step=0, apply_fn=apply_fn, params=params, tx=None, opt_state=None, **kwargs)
@@ -124,8 +126,9 @@ class Weighted(collections.namedtuple("Weighted", "total weight")):
     __slots__ = ()
 
 
-def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0,
-                *, continue_from=None):
+def lr_schedule(base_lr: float, steps_per_epoch: int, epochs: int, warmup_epochs: float = 0,
+                init_value: float = 0.0, end_value: float = 0.0, *,
+                continue_from: int | None = None) -> optax.Schedule:
     """An optax schedule: linear warmup from `init_value` to `base_lr` over `warmup_epochs` (may be
     fractional), then a cosine decay reaching `end_value` exactly at the last step, `epochs *
     steps_per_epoch - 1` (for arrays, `steps_per_epoch` is `ceil(len(x) / batch_size)`).
@@ -156,7 +159,8 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
                                               end_value)
 
 
-def ema(tx, decay=0.999, warmup=True):
+def ema(tx: optax.GradientTransformation, decay: float = 0.999,
+        warmup: bool = True) -> optax.GradientTransformationExtraArgs:
     """`tx`, then an exponential moving average of the parameters it produces (`optax.ema` averages
     the updates): an optax transformation whose state keeps the average (`fit_ema_params`), saved,
     sharded and resumed with the optimizer state. Wrap the whole chain, inside `optax.MultiSteps`
@@ -267,17 +271,17 @@ class Options:
         rows. With `axis_name`, one axis.
     state_sharding: the state's layout: a tree (or a function) of `PartitionSpec`s or shardings.
     axis_name: for pmap-era models: runs the step per device over the data axis, so named."""
-    loss_fn: Any = dataclasses.field(default=None, metadata=_TRACED)
-    eval_step: Any = None
-    eval_metrics: dict | None = None
-    train_step: Any = dataclasses.field(default=None, metadata=_TRACED)
-    optimizer: Any = None
-    nnx_loss_fn: Any = None
+    loss_fn: Callable[[Any, Any], Any] | None = dataclasses.field(default=None, metadata=_TRACED)
+    eval_step: Callable[[Any, Any], Any] | None = None
+    eval_metrics: dict[str, Callable[[Any, Iterable], float]] | None = None
+    train_step: Callable[..., tuple] | None = dataclasses.field(default=None, metadata=_TRACED)
+    optimizer: Any = None  # (an nnx.Optimizer: flax.nnx is not imported unless yours is)
+    nnx_loss_fn: Callable[[Any, Any, Any], Any] | None = None
     num_epochs: int = 1
     max_steps: int | None = None
     steps_per_epoch: int | None = None
     batch_size: int | None = None
-    batch_keys: Any = None
+    batch_keys: tuple[str, str] | None = None
     eval_freq: int = 1
     eval_every: int | None = None
     eval_steps: int | dict | None = None
@@ -293,18 +297,18 @@ class Options:
     resume: bool | str = False
     hparams: dict | None = None
     seed: int = dataclasses.field(default=0, metadata=_TRACED)
-    lr_fn: Any = dataclasses.field(default=None, metadata=_TRACED)
+    lr_fn: Callable[[Any], Any] | None = dataclasses.field(default=None, metadata=_TRACED)
     steps_per_jit: int = 1
     grad_accum: int = dataclasses.field(default=1, metadata=_TRACED)
-    hooks: Any = ()
+    hooks: Sequence[Callable[[str, Any], Any]] = ()
     verbose: int = 1
     peak_tflops: float | None = None
     tensorboard: bool = True
     save_frozen: bool = True
     on_nonfinite: str = "raise"
-    mesh: Any = None
-    batch_axes: tuple = ("data",)
-    state_sharding: Any = None
+    mesh: Mesh | None = None
+    batch_axes: tuple[str, ...] = ("data",)
+    state_sharding: Any = None  # (a tree like the state, or a function of it)
     axis_name: str | None = dataclasses.field(default=None, metadata=_TRACED)
 
     # option: (error, is a value valid?, what it must be); None passes if it is the default
@@ -346,7 +350,7 @@ class Options:
     }
 
     @classmethod
-    def of(cls, kwargs):
+    def of(cls, kwargs: dict) -> "Options":
         names = [f.name for f in dataclasses.fields(cls)]
         for key in (key for key in kwargs if key not in names):
             near = difflib.get_close_matches(key, names, n=1)
@@ -386,7 +390,19 @@ class Options:
         return {**used, **derived, **(self.hparams or {})}
 
 
-def fit(state, train_ds, test_ds=None, **options):
+def _with_options(fn):
+    """`fn` with `Options`' fields as the keyword-only parameters of its signature, with their
+    types and defaults: what help(), IDEs and notebooks show for its `**options`."""
+    sig = inspect.signature(fn)
+    head = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    fn.__signature__ = sig.replace(parameters=head + [inspect.Parameter(
+        f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(Options)])
+    return fn
+
+
+@_with_options
+def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple[Any, "History"]:
     """Trains `state` (a TrainState, or an nnx model with `optimizer=`) on `train_ds`, evaluating on
     `test_ds` (one set, or `{name: set}`); `options`: those of `Options`. Returns `(state,
     history)`: a trained copy of the state (the caller's stays usable), or the nnx model updated in
@@ -489,9 +505,10 @@ def fit(state, train_ds, test_ds=None, **options):
     return model.finish(state, ckpts.frozen), run.history
 
 
-# -- The rest of the public API: restoring, evaluating, the history ----------------------------
+# -- The rest of the public API: restoring, evaluating, the history --------------------------------
 
-def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *, ema=False):
+def load_ckpt(state: Any, ckpt_dir: str | os.PathLike, step: int | str | None = None,
+              optimizer: Any = None, weights_only: bool = False, *, ema: bool = False) -> Any:
     """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`) at
     `step`: a number, `"last"`/`None` or `"best"`. `state` gives the structure, shapes and
     shardings, not values; an nnx model (with its `optimizer=`) is restored in place.
@@ -562,7 +579,8 @@ def _meta(mgr, step, who):
         return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
-def evaluate(state, ds, eval_step=None, **options):
+def evaluate(state: Any, ds: Any, eval_step: Callable | None = None,
+             **options: Any) -> dict[str, Any]:
     """The metrics of `state` (a TrainState, or an nnx model) over all of `ds`, `{name: value}`
     (a dict of named sets: `{set: {name: value}}`): fit's exact, sharded, weighted eval, e.g.
     `evaluate(state, (x, y), eval_step, batch_size=256)`. `options`: fit's about the data and the
@@ -595,7 +613,7 @@ class History(dict):
     run = log_dir = ckpt_dir = timing = None
 
 
-# -- Hooks: hook(event, run); the progress bar and TensorBoard are hooks too -------------------
+# -- Hooks: hook(event, run); the progress bar and TensorBoard are hooks too -----------------------
 
 class EarlyStopping:
     """A hook that stops when fit's `monitor` has not improved by more than `min_delta` for
@@ -604,20 +622,21 @@ class EarlyStopping:
     rises (as in Keras and Lightning). Its stop is final (see fit); its count is checkpointed.
     Another `monitor` than fit's raises: pass it to fit."""
 
-    def __init__(self, patience=3, min_delta=0.0, restore_best=True, monitor=None):
+    def __init__(self, patience: int = 3, min_delta: float = 0.0, restore_best: bool = True,
+                 monitor: str | None = None) -> None:
         if not _positive_int(patience):
             raise ValueError(f"EarlyStopping: patience must be a positive int, got {patience!r}.")
         self.patience, self.min_delta = patience, min_delta
         self.restore_best, self.monitor = restore_best, monitor
         self.best, self.bad = None, 0
 
-    def get_state(self):
+    def get_state(self) -> dict:
         return {"best": self.best, "bad": self.bad}
 
-    def set_state(self, state):
+    def set_state(self, state: dict) -> None:
         self.best, self.bad = state["best"], state["bad"]
 
-    def __call__(self, event, run):
+    def __call__(self, event: str, run: "_Run") -> None:
         if event == "train_start":
             if run.monitor is None:
                 raise ValueError("EarlyStopping: this run has no metric to follow; return one "
@@ -642,10 +661,10 @@ class Profiler:
     """A hook tracing steps `start_step` to `start_step + num_steps`, rounded out to log points,
     into the run's TensorBoard directory (Profile tab: `pip install tensorboard-plugin-profile`)."""
 
-    def __init__(self, start_step=10, num_steps=20):
+    def __init__(self, start_step: int = 10, num_steps: int = 20) -> None:
         self.start_step, self.stop_step, self.running = start_step, start_step + num_steps, False
 
-    def __call__(self, event, run):
+    def __call__(self, event: str, run: "_Run") -> None:
         inside = self.start_step <= run.step < self.stop_step
         if not self.running and inside and event != "train_end":
             jax.profiler.start_trace(run.log_dir)
@@ -660,10 +679,10 @@ class ProgressBar:
     """The built-in progress bar, a hook (process 0 only). `verbose=1`: a bar with the loss, the
     monitor, speed and an ETA without compiles, and a line per epoch; `verbose=2`: the lines."""
 
-    def __init__(self, verbose=1):
+    def __init__(self, verbose: int = 1) -> None:
         self.verbose, self.bar, self.line, self.shown, self.drawn = verbose, None, None, {}, 0.0
 
-    def __call__(self, event, run):
+    def __call__(self, event: str, run: "_Run") -> None:
         if self.line:  # an epoch's line waits for an eval of its step, if one follows
             step, head, metrics = self.line
             self.line = None
@@ -712,14 +731,14 @@ class TensorBoard:
     tables), and the run's hparams for the HParams tab, all in `history.log_dir`. `run.writer` is
     its SummaryWriter."""
 
-    def __init__(self, hparams):
+    def __init__(self, hparams: dict) -> None:
         # TensorBoard takes numbers, strings, booleans: numpy scalars via JSON, the rest as text.
         self.hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                         for k, v in _jsonable(hparams).items()}
         self.writer = None  # a metric's tag, cleaned as tensorboardX's add_scalar does, once:
         self._tag = functools.cache(lambda name: scalar_summary(name, 0.0).value[0].tag)
 
-    def __call__(self, event, run):
+    def __call__(self, event: str, run: "_Run") -> None:
         if event == "train_start":
             purge = run.step + 1 if run.step else 0  # (a resume logs those steps again)
             run.writer = self.writer = SummaryWriter(run.log_dir)
@@ -776,7 +795,7 @@ def _table(array):
     return "\n".join(head + [cells([i, *row]) for i, row in enumerate(rows.tolist())])
 
 
-# -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables --
+# -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables ------
 
 _Model = collections.namedtuple("_Model", "state forward eval_step view finish linen frozen")
 
@@ -877,7 +896,7 @@ def _call_nnx_loss(fn, model, batch, rngs):
     return fn(model, batch, rngs)
 
 
-# -- Placement: the mesh, the state's shardings and its private copy, batches on the devices ---
+# -- Placement: the mesh, the state's shardings and its private copy, batches on the devices -------
 
 def _mesh(opts, state):
     """`mesh=`; else the mesh the state's arrays are sharded over (they keep their shardings); else
@@ -1057,7 +1076,7 @@ def _putter(mesh, axes):
 _replicated = lambda mesh: NamedSharding(mesh, P())
 
 
-# -- Data: batches and their positions for a resume; steps_per_jit's groups; prefetch ----------
+# -- Data: batches and their positions for a resume; steps_per_jit's groups; prefetch --------------
 
 def _eval_sets(ds, who, opts, mesh=None):
     """The eval data as `{name: _Data}`: a dict's named sets, or one set named None; each capped
@@ -1361,7 +1380,152 @@ def _prefetch(batches, put, size=2):
         yield *queue.popleft(), not queue
 
 
-# -- Every jax.jit, built from _StepConfig and cached; the train step; device-side sums --------
+# -- The step's math: one gradient step, pure, the function to edit --------------------------------
+
+def _default_train_step(config):
+    """fit's own train step: the step's key (each device its own with `axis_name`, where the step
+    runs per device under shard_map), `_gradient_step`, and the gradients' norm at log steps."""
+    grads_of = _accumulate if config.grad_accum > 1 else _value_and_grad
+
+    def train_step(state, batch):
+        rng = _step_key(state, config.seed)
+        if config.axis_name:  # each device draws its own dropout masks
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(config.axis_name))
+        new_state, metrics, grads = _gradient_step(state, batch, rng, config, grads_of)
+        return new_state, {**metrics, "grad_norm": _log_norm(state, config, grads)}
+    return train_step
+
+
+def _gradient_step(state, batch, rng, config, grads_of):
+    """One gradient step, the math alone, pure (edit it here: bf16 compute, a gradient transform):
+    the model's forward and loss (`config.forward`: linen's `apply_fn`, or an nnx model's call),
+    their gradients by `grads_of` (`_value_and_grad`, or `_accumulate`'s scan of microbatches),
+    the optimizer's update. Returns `(state, metrics, grads)`; fit's bookkeeping (the sums,
+    non-finite steps, the lr, the norms) is around it, in `_train_and_accumulate`."""
+    has_stats = hasattr(state, "batch_stats")
+
+    def loss_of(params, stats, batch, rng):  # -> (the loss to differentiate, aux)
+        here = state.replace(batch_stats=stats) if has_stats else state
+        out, stats = config.forward(config.loss_fn, here, params, batch, rng, train=True)
+        loss, metrics = _split_loss(out, config.loss_name)
+        return loss.total if isinstance(loss, Weighted) else loss, (loss, metrics, stats)
+
+    grads, loss, metrics, stats = grads_of(loss_of, state.params, getattr(
+        state, "batch_stats", {}), batch, rng, config=config)
+    state = state.apply_gradients(grads=grads, **({"batch_stats": stats} if has_stats else {}))
+    return state, {"loss": loss, **metrics}, grads
+
+
+def _value_and_grad(loss_of, params, stats, batch, rng, *, config):
+    """`(grads, loss, metrics, stats)` of a batch in one pass: with `axis_name`, averaged over the
+    devices (as pmap); a `Weighted` loss's gradient is its total's over its weight."""
+    axis = config.axis_name
+    (_, (loss, metrics, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        params, stats, batch, rng)
+    if axis:  # (a Weighted's total and weight alike: their ratio stays)
+        grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
+    if isinstance(loss, Weighted):
+        grads = jax.tree.map(lambda g: g / loss.weight, grads)
+        if axis:  # logged as all devices' total and weight (tokens/s), not their mean
+            loss = Weighted(*(x * jax.lax.psum(1, axis) for x in loss))
+    return grads, loss, metrics, stats
+
+
+def _accumulate(loss_of, params, stats, batch, rng, *, config):
+    """`(grads, loss, metrics, stats)` of a batch as `grad_accum` microbatches in a rolled scan (the
+    j-th slice of each device's rows): the gradients of the losses' totals (a mean loss: mean x
+    rows) and the weights summed, divided once; the stats carried from one to the next."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    d = config.shards if rows % config.shards == 0 else 1  # (a batch placed whole on each device)
+    k = max(j for j in range(1, config.grad_accum + 1) if rows % (d * j) == 0)
+    split = lambda a: jnp.swapaxes(a.reshape(d, k, rows // (d * k), *a.shape[1:]), 0, 1)
+    is_weighted = lambda m: isinstance(m, Weighted)
+    pair = lambda m: (m.total, m.weight) if is_weighted(m) else (m * (rows // k), rows // k)
+    zero = lambda x: jnp.zeros(x.shape, x.dtype)
+    shapes = jax.eval_shape(loss_of, params, stats, jax.tree.map(lambda a: a[:rows // k], batch),
+                            rng)[1][:2]  # (the loss and metrics: which are Weighted)
+    scale = 1 if is_weighted(shapes[0]) else rows // k  # (a mean loss's total: mean x rows)
+
+    def micro(carry, xs):
+        grads, stats, sums = carry
+        part, j = xs
+        part = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part)
+        key = rng if k == 1 else jax.random.fold_in(rng, j)
+
+        def total(params):
+            value, aux = loss_of(params, stats, part, key)
+            return value * scale, aux
+        (_, (loss, metrics, stats)), g = jax.value_and_grad(total, has_aux=True)(params)
+        now = jax.tree.map(pair, (loss, metrics), is_leaf=is_weighted)
+        return (jax.tree.map(jnp.add, grads, g), stats, jax.tree.map(jnp.add, sums, now)), None
+
+    sums0 = jax.tree.map(lambda m: (zero(m.total), zero(m.weight)) if is_weighted(m) else
+                         (zero(m), jnp.int32(0)), shapes, is_leaf=is_weighted)
+    (grads, stats, (loss, metrics)), _ = jax.lax.scan(
+        micro, (jax.tree.map(zero, params), stats, sums0),
+        (jax.tree.map(split, batch), jnp.arange(k)))
+    if config.axis_name:  # every device's totals and weights, then one division
+        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), config.axis_name)
+    grads = jax.tree.map(lambda g: g / loss[1], grads)
+    back = lambda shape, pair: Weighted(*pair) if is_weighted(shape) else pair[0] / pair[1]
+    return grads, back(shapes[0], loss), {n: back(shapes[1][n], metrics[n]) for n in metrics}, \
+        stats
+
+
+def _step_key(state, seed):
+    """This step's key, a pure function of the base key (the state's `rng`, else the seed's) and
+    the step, so that a resumed run draws what an uninterrupted one would."""
+    rng = getattr(state, "rng", None)
+    rng = jax.random.key(seed) if rng is None else rng
+    return jax.random.fold_in(rng if _is_key(rng) else jax.random.wrap_key_data(rng), state.step)
+
+
+def _split_loss(out, who):
+    """`(loss, metrics)` of a loss, or of a loss and a dict of metrics; an aux that is an array of
+    logits (the NNX tutorial's loss_fn returns them) is left out."""
+    loss, metrics = out if isinstance(out, tuple) and not isinstance(out, Weighted) else (out, {})
+    if isinstance(loss, Weighted):
+        loss = Weighted(jnp.asarray(loss.total), jnp.asarray(loss.weight))
+        if loss.total.shape != () or loss.weight.shape != () or not jnp.issubdtype(
+                loss.total.dtype, jnp.floating):
+            raise TypeError(f"fit: {who} must return Weighted(total, weight) of two scalars, a "
+                            f"float total and its weight, e.g. Weighted((losses * weights).sum(), "
+                            f"weights.sum()); got shapes {loss.total.shape} and "
+                            f"{loss.weight.shape}, dtype {loss.total.dtype} for the total.")
+    else:
+        if not hasattr(loss, "dtype") and not isinstance(loss, float):  # (a dict, a list, None)
+            raise TypeError(f"fit: {who} must return a scalar float loss, or a pair (loss, "
+                            f"{{name: metric}}), got {type(loss).__name__}"
+                            f"{f' with keys {sorted(loss)}' if isinstance(loss, dict) else ''}; "
+                            f"e.g. return loss, {{'loss': loss}}.")
+        loss = jnp.asarray(loss)
+        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise TypeError(f"fit: {who} must return a scalar float loss (or (loss, metrics)), "
+                            f"got an array of shape {loss.shape} and dtype {loss.dtype}; reduce "
+                            f"it with .mean().")
+    if isinstance(metrics, collections.abc.Mapping):
+        return loss, dict(metrics)
+    if getattr(metrics, "ndim", 0) < 1:  # (a scalar: a metric that wants a name)
+        got = f"a scalar {metrics.dtype}" if hasattr(metrics, "dtype") else type(metrics).__name__
+        raise TypeError(f"fit: {who}'s second output must be a dict of scalar metrics, e.g. "
+                        f"(loss, {{'accuracy': accuracy}}), or an array of logits, which fit "
+                        f"leaves out; got {got}.")
+    return loss, {}
+
+
+def _takes_three(fn):
+    try:
+        inspect.signature(fn).bind(None, None, None)
+        return True
+    except (TypeError, ValueError):  # (ValueError: a signature Python cannot read)
+        return False
+
+
+def _as_dict(metrics, default):
+    return metrics if isinstance(metrics, dict) else {default: metrics}
+
+
+# -- The compiled steps, built from _StepConfig and cached; the train step's bookkeeping -----------
 
 @dataclasses.dataclass(frozen=True)
 class _StepConfig:
@@ -1498,6 +1662,133 @@ def _unrolled():
     convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster."""
     return jax.default_backend() == "cpu"
 
+
+def _under(mesh, fn):
+    """`fn` traced under a mesh of Explicit axes, as your own step under `jax.set_mesh(mesh)`, for a
+    model that names its axes: at trace time, not each call (~30 us). Not for Auto axes, where
+    Flax's partitioning annotations stay no-ops."""
+    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return fn
+
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+    return traced
+
+
+_StepParts = collections.namedtuple("_StepParts", "step_fn sums lr_of config")  # (of one step)
+
+
+def _step_values(step_fn, state, batch):
+    """One step, and the values the train sums add up for it, `{name: a mean or Weighted}`, each
+    logged as its interval's mean, `train/<name>` (`grad_norm`, `param_norm`: their log step's):
+    a per-step quantity added here is summed and logged with them."""
+    new_state, metrics = step_fn(state, batch)
+    return new_state, _as_dict(metrics, "loss")
+
+
+def _train_and_accumulate(parts, state, acc, batch, frozen=None):
+    """One train step plus the on-device bookkeeping: the sums (`_TrainSums`), non-finite steps
+    (dropped with `on_nonfinite="skip"`), the lr, a log step's norms. `frozen`: an nnx model's
+    frozen base, passed beside the state, neither donated nor returned."""
+    config, skip, state = parts.config, parts.config.skip, _joined(state, frozen)
+    new_state, metrics = parts.step_fn(state, batch)
+    _warn_dtypes(new_state, state)
+    # "skip" checks the whole state every step, to drop an update that makes it non-finite.
+    norm = _param_norm(new_state) if skip else _log_norm(state, config, new_state.params)
+    norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)], jnp.float32)
+    values = _totals_and_weights([metrics[k] for k in parts.sums.names], 1)
+    finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
+    if skip:  # keep the old state on device, no host round trip; the step counts on
+        new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+        new_state = new_state.replace(step=state.step + 1)
+        values = jnp.where(finite, values, 0.0)  # (its weights too)
+    # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
+    new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
+    lr = None if parts.lr_of is None else parts.lr_of(new_state)
+    return _parted(new_state, frozen), parts.sums.add(acc, values, norms, lr, finite=finite,
+                                                      kept=finite | (not skip),
+                                                      at_log=_at_log(state, config),
+                                                      step=state.step)
+
+
+_NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
+
+
+class _TrainSums:
+    """The train steps' sums, one layout: made from the step's metric names and its learning
+    rates' labels, added to in the compiled step (`add`), read on the host at log points (`read`).
+    Two arrays, as on XLA's CPU every small op and output costs microseconds: `sums` (float32)
+    [each metric's total, each one's weight (a mean: 1 a step), a log step's grad_norm and
+    param_norm and 1 once set, the lrs]; `count` (int32) [steps summed, non-finite steps, the
+    first of them]."""
+
+    def __init__(self, names, lrs=()):
+        self.names, self.lrs = tuple(names), tuple(lrs)  # (lrs: "" for one, else by label)
+
+    def zeros(self):
+        return {"sums": np.zeros(2 * len(self.names) + 3 + max(len(self.lrs), 1), np.float32),
+                "count": np.zeros(3, np.int32)}
+
+    def add(self, acc, values, norms, lr, *, finite, kept, at_log, step):
+        """Traced: a step's [2, n] totals and weights `values`, its [grad_norm, param_norm] (kept
+        at a log step), its lrs (None: none known), whether it was `finite` and `kept` (summed)."""
+        n, (steps, n_bad, first_bad) = len(self.names), acc["count"]
+        sums = acc["sums"]
+        totals, weights, old_norms, old_lr = (sums[:n], sums[n:2 * n], sums[2 * n:2 * n + 3],
+                                              sums[2 * n + 3:])
+        lr = old_lr if lr is None else jnp.reshape(lr, -1).astype(jnp.float32)
+        first_bad = jnp.where((n_bad == 0) & ~finite, step.astype(jnp.int32), first_bad)
+        count = jnp.stack([steps + kept, n_bad + ~finite, first_bad])
+        # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
+        norms = jnp.where(at_log & kept, jnp.append(norms, 1.0), old_norms)
+        sums = jnp.concatenate([totals + values[0], weights + values[1], norms, lr])
+        return {"sums": sums, "count": count.astype(jnp.int32)}
+
+    def read(self, acc):
+        """On the host: `(steps, non-finite steps, the first, {name: [total, weight]}, the log
+        step's [grad_norm, param_norm] or None, {train/lr tag: value})`."""
+        n, sums = len(self.names), acc["sums"].tolist()
+        steps, n_bad, first_bad = (int(v) for v in acc["count"])
+        grad_norm, param_norm, is_set = sums[2 * n:2 * n + 3]
+        values = {k: [t, w] for k, t, w in zip(self.names, sums[:n], sums[n:2 * n])}
+        lrs = {f"train/lr/{k}".rstrip("/"): v for k, v in zip(self.lrs, sums[2 * n + 3:])}
+        return steps, n_bad, first_bad, values, is_set and [grad_norm, param_norm], lrs
+
+
+def _at_log(state, config):
+    """Whether the step that `state` goes into ends at a multiple of `log_every`."""
+    return (state.step + 1) % config.log_every == 0
+
+
+def _param_norm(state):
+    """The parameters' norm, or NaN if any floating leaf of the state is NaN (a nested TrainState,
+    the optimizer's moments): finite means fit may save the state. (+-inf stays legitimate outside
+    the params: optax's reduce_on_plateau starts at inf.)"""
+    nan = [jnp.isnan(x).any() for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype,
+                                                                               jnp.inexact)]
+    return jnp.where(functools.reduce(jnp.logical_or, nan, False), jnp.nan,
+                     optax.tree.norm(state.params))
+
+
+def _log_norm(state, config, tree):
+    """The norm of `tree` at log steps, else 0 (or computed anyway): a pass over every parameter
+    and gradient each step cost a tiny MLP 3-10% of its speed on a CPU."""
+    norm = lambda tree: jnp.asarray(optax.tree.norm(tree), jnp.float32)
+    if config.norms_every_step:
+        return norm(tree)
+    return jax.lax.cond(_at_log(state, config), norm, lambda tree: jnp.float32(0), tree)
+
+
+def _totals_and_weights(metrics, rows):
+    """Metrics as one [2, n] array of totals and weights: a `Weighted` as given (a negative
+    weight becomes NaN, which the host reports), a plain mean `m` as `(rows * m, rows)`."""
+    pairs = [(m.total, jnp.where(m.weight >= 0, m.weight, jnp.nan)) if isinstance(m, Weighted)
+             else (rows * m, rows) for m in metrics]
+    return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
+
+
+# -- The eval steps: each set's metrics summed on device, in one layout (_EvalSums) ----------------
 
 def _jit_evals(state, eval_data, config, mesh):
     """Each eval set's jitted step and sums' layout, `{set: step}, {set: _EvalSums}`: sets with the
@@ -1653,275 +1944,7 @@ def _sum_dtype(dtype):
     return np.int32 if jnp.issubdtype(dtype, jnp.integer) else np.float32
 
 
-def _under(mesh, fn):
-    """`fn` traced under a mesh of Explicit axes, as your own step under `jax.set_mesh(mesh)`, for a
-    model that names its axes: at trace time, not each call (~30 us). Not for Auto axes, where
-    Flax's partitioning annotations stay no-ops."""
-    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
-        return fn
-
-    def traced(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fn(*args)
-    return traced
-
-
-def _default_train_step(config):
-    """fit's own train step: the step's key (each device its own with `axis_name`, where the step
-    runs per device under shard_map), `_gradient_step`, and the gradients' norm at log steps."""
-    grads_of = _accumulate if config.grad_accum > 1 else _value_and_grad
-
-    def train_step(state, batch):
-        rng = _step_key(state, config.seed)
-        if config.axis_name:  # each device draws its own dropout masks
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(config.axis_name))
-        new_state, metrics, grads = _gradient_step(state, batch, rng, config, grads_of)
-        return new_state, {**metrics, "grad_norm": _log_norm(state, config, grads)}
-    return train_step
-
-
-def _gradient_step(state, batch, rng, config, grads_of):
-    """One gradient step, the math alone, pure (edit it here: bf16 compute, a gradient transform):
-    the model's forward and loss (`config.forward`: linen's `apply_fn`, or an nnx model's call),
-    their gradients by `grads_of` (`_value_and_grad`, or `_accumulate`'s scan of microbatches),
-    the optimizer's update. Returns `(state, metrics, grads)`; fit's bookkeeping (the sums,
-    non-finite steps, the lr, the norms) is around it, in `_train_and_accumulate`."""
-    has_stats = hasattr(state, "batch_stats")
-
-    def loss_of(params, stats, batch, rng):  # -> (the loss to differentiate, aux)
-        here = state.replace(batch_stats=stats) if has_stats else state
-        out, stats = config.forward(config.loss_fn, here, params, batch, rng, train=True)
-        loss, metrics = _split_loss(out, config.loss_name)
-        return loss.total if isinstance(loss, Weighted) else loss, (loss, metrics, stats)
-
-    grads, loss, metrics, stats = grads_of(loss_of, state.params, getattr(
-        state, "batch_stats", {}), batch, rng, config=config)
-    state = state.apply_gradients(grads=grads, **({"batch_stats": stats} if has_stats else {}))
-    return state, {"loss": loss, **metrics}, grads
-
-
-def _value_and_grad(loss_of, params, stats, batch, rng, *, config):
-    """`(grads, loss, metrics, stats)` of a batch in one pass: with `axis_name`, averaged over the
-    devices (as pmap); a `Weighted` loss's gradient is its total's over its weight."""
-    axis = config.axis_name
-    (_, (loss, metrics, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-        params, stats, batch, rng)
-    if axis:  # (a Weighted's total and weight alike: their ratio stays)
-        grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
-    if isinstance(loss, Weighted):
-        grads = jax.tree.map(lambda g: g / loss.weight, grads)
-        if axis:  # logged as all devices' total and weight (tokens/s), not their mean
-            loss = Weighted(*(x * jax.lax.psum(1, axis) for x in loss))
-    return grads, loss, metrics, stats
-
-
-def _accumulate(loss_of, params, stats, batch, rng, *, config):
-    """`(grads, loss, metrics, stats)` of a batch as `grad_accum` microbatches in a rolled scan (the
-    j-th slice of each device's rows): the gradients of the losses' totals (a mean loss: mean x
-    rows) and the weights summed, divided once; the stats carried from one to the next."""
-    rows = jax.tree.leaves(batch)[0].shape[0]
-    d = config.shards if rows % config.shards == 0 else 1  # (a batch placed whole on each device)
-    k = max(j for j in range(1, config.grad_accum + 1) if rows % (d * j) == 0)
-    split = lambda a: jnp.swapaxes(a.reshape(d, k, rows // (d * k), *a.shape[1:]), 0, 1)
-    is_weighted = lambda m: isinstance(m, Weighted)
-    pair = lambda m: (m.total, m.weight) if is_weighted(m) else (m * (rows // k), rows // k)
-    zero = lambda x: jnp.zeros(x.shape, x.dtype)
-    shapes = jax.eval_shape(loss_of, params, stats, jax.tree.map(lambda a: a[:rows // k], batch),
-                            rng)[1][:2]  # (the loss and metrics: which are Weighted)
-    scale = 1 if is_weighted(shapes[0]) else rows // k  # (a mean loss's total: mean x rows)
-
-    def micro(carry, xs):
-        grads, stats, sums = carry
-        part, j = xs
-        part = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part)
-        key = rng if k == 1 else jax.random.fold_in(rng, j)
-
-        def total(params):
-            value, aux = loss_of(params, stats, part, key)
-            return value * scale, aux
-        (_, (loss, metrics, stats)), g = jax.value_and_grad(total, has_aux=True)(params)
-        now = jax.tree.map(pair, (loss, metrics), is_leaf=is_weighted)
-        return (jax.tree.map(jnp.add, grads, g), stats, jax.tree.map(jnp.add, sums, now)), None
-
-    sums0 = jax.tree.map(lambda m: (zero(m.total), zero(m.weight)) if is_weighted(m) else
-                         (zero(m), jnp.int32(0)), shapes, is_leaf=is_weighted)
-    (grads, stats, (loss, metrics)), _ = jax.lax.scan(
-        micro, (jax.tree.map(zero, params), stats, sums0),
-        (jax.tree.map(split, batch), jnp.arange(k)))
-    if config.axis_name:  # every device's totals and weights, then one division
-        grads, loss, metrics = jax.lax.psum((grads, loss, metrics), config.axis_name)
-    grads = jax.tree.map(lambda g: g / loss[1], grads)
-    back = lambda shape, pair: Weighted(*pair) if is_weighted(shape) else pair[0] / pair[1]
-    return grads, back(shapes[0], loss), {n: back(shapes[1][n], metrics[n]) for n in metrics}, \
-        stats
-
-
-def _step_key(state, seed):
-    """This step's key, a pure function of the base key (the state's `rng`, else the seed's) and
-    the step, so that a resumed run draws what an uninterrupted one would."""
-    rng = getattr(state, "rng", None)
-    rng = jax.random.key(seed) if rng is None else rng
-    return jax.random.fold_in(rng if _is_key(rng) else jax.random.wrap_key_data(rng), state.step)
-
-
-def _takes_three(fn):
-    try:
-        inspect.signature(fn).bind(None, None, None)
-        return True
-    except (TypeError, ValueError):  # (ValueError: a signature Python cannot read)
-        return False
-
-
-def _split_loss(out, who):
-    """`(loss, metrics)` of a loss, or of a loss and a dict of metrics; an aux that is an array of
-    logits (the NNX tutorial's loss_fn returns them) is left out."""
-    loss, metrics = out if isinstance(out, tuple) and not isinstance(out, Weighted) else (out, {})
-    if isinstance(loss, Weighted):
-        loss = Weighted(jnp.asarray(loss.total), jnp.asarray(loss.weight))
-        if loss.total.shape != () or loss.weight.shape != () or not jnp.issubdtype(
-                loss.total.dtype, jnp.floating):
-            raise TypeError(f"fit: {who} must return Weighted(total, weight) of two scalars, a "
-                            f"float total and its weight, e.g. Weighted((losses * weights).sum(), "
-                            f"weights.sum()); got shapes {loss.total.shape} and "
-                            f"{loss.weight.shape}, dtype {loss.total.dtype} for the total.")
-    else:
-        if not hasattr(loss, "dtype") and not isinstance(loss, float):  # (a dict, a list, None)
-            raise TypeError(f"fit: {who} must return a scalar float loss, or a pair (loss, "
-                            f"{{name: metric}}), got {type(loss).__name__}"
-                            f"{f' with keys {sorted(loss)}' if isinstance(loss, dict) else ''}; "
-                            f"e.g. return loss, {{'loss': loss}}.")
-        loss = jnp.asarray(loss)
-        if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
-            raise TypeError(f"fit: {who} must return a scalar float loss (or (loss, metrics)), "
-                            f"got an array of shape {loss.shape} and dtype {loss.dtype}; reduce "
-                            f"it with .mean().")
-    if isinstance(metrics, collections.abc.Mapping):
-        return loss, dict(metrics)
-    if getattr(metrics, "ndim", 0) < 1:  # (a scalar: a metric that wants a name)
-        got = f"a scalar {metrics.dtype}" if hasattr(metrics, "dtype") else type(metrics).__name__
-        raise TypeError(f"fit: {who}'s second output must be a dict of scalar metrics, e.g. "
-                        f"(loss, {{'accuracy': accuracy}}), or an array of logits, which fit "
-                        f"leaves out; got {got}.")
-    return loss, {}
-
-
-def _as_dict(metrics, default):
-    return metrics if isinstance(metrics, dict) else {default: metrics}
-
-
-_StepParts = collections.namedtuple("_StepParts", "step_fn sums lr_of config")  # (of one step)
-
-
-def _step_values(step_fn, state, batch):
-    """One step, and the values the train sums add up for it, `{name: a mean or Weighted}`, each
-    logged as its interval's mean, `train/<name>` (`grad_norm`, `param_norm`: their log step's):
-    a per-step quantity added here is summed and logged with them."""
-    new_state, metrics = step_fn(state, batch)
-    return new_state, _as_dict(metrics, "loss")
-
-
-def _train_and_accumulate(parts, state, acc, batch, frozen=None):
-    """One train step plus the on-device bookkeeping: the sums (`_TrainSums`), non-finite steps
-    (dropped with `on_nonfinite="skip"`), the lr, a log step's norms. `frozen`: an nnx model's
-    frozen base, passed beside the state, neither donated nor returned."""
-    config, skip, state = parts.config, parts.config.skip, _joined(state, frozen)
-    new_state, metrics = parts.step_fn(state, batch)
-    _warn_dtypes(new_state, state)
-    # "skip" checks the whole state every step, to drop an update that makes it non-finite.
-    norm = _param_norm(new_state) if skip else _log_norm(state, config, new_state.params)
-    norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)], jnp.float32)
-    values = _totals_and_weights([metrics[k] for k in parts.sums.names], 1)
-    finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
-    if skip:  # keep the old state on device, no host round trip; the step counts on
-        new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
-        new_state = new_state.replace(step=state.step + 1)
-        values = jnp.where(finite, values, 0.0)  # (its weights too)
-    # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
-    new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
-    lr = None if parts.lr_of is None else parts.lr_of(new_state)
-    return _parted(new_state, frozen), parts.sums.add(acc, values, norms, lr, finite=finite,
-                                                      kept=finite | (not skip),
-                                                      at_log=_at_log(state, config),
-                                                      step=state.step)
-
-
-_NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
-
-
-class _TrainSums:
-    """The train steps' sums, one layout: made from the step's metric names and its learning
-    rates' labels, added to in the compiled step (`add`), read on the host at log points (`read`).
-    Two arrays, as on XLA's CPU every small op and output costs microseconds: `sums` (float32)
-    [each metric's total, each one's weight (a mean: 1 a step), a log step's grad_norm and
-    param_norm and 1 once set, the lrs]; `count` (int32) [steps summed, non-finite steps, the
-    first of them]."""
-
-    def __init__(self, names, lrs=()):
-        self.names, self.lrs = tuple(names), tuple(lrs)  # (lrs: "" for one, else by label)
-
-    def zeros(self):
-        return {"sums": np.zeros(2 * len(self.names) + 3 + max(len(self.lrs), 1), np.float32),
-                "count": np.zeros(3, np.int32)}
-
-    def add(self, acc, values, norms, lr, *, finite, kept, at_log, step):
-        """Traced: a step's [2, n] totals and weights `values`, its [grad_norm, param_norm] (kept
-        at a log step), its lrs (None: none known), whether it was `finite` and `kept` (summed)."""
-        n, (steps, n_bad, first_bad) = len(self.names), acc["count"]
-        sums = acc["sums"]
-        totals, weights, old_norms, old_lr = (sums[:n], sums[n:2 * n], sums[2 * n:2 * n + 3],
-                                              sums[2 * n + 3:])
-        lr = old_lr if lr is None else jnp.reshape(lr, -1).astype(jnp.float32)
-        first_bad = jnp.where((n_bad == 0) & ~finite, step.astype(jnp.int32), first_bad)
-        count = jnp.stack([steps + kept, n_bad + ~finite, first_bad])
-        # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
-        norms = jnp.where(at_log & kept, jnp.append(norms, 1.0), old_norms)
-        sums = jnp.concatenate([totals + values[0], weights + values[1], norms, lr])
-        return {"sums": sums, "count": count.astype(jnp.int32)}
-
-    def read(self, acc):
-        """On the host: `(steps, non-finite steps, the first, {name: [total, weight]}, the log
-        step's [grad_norm, param_norm] or None, {train/lr tag: value})`."""
-        n, sums = len(self.names), acc["sums"].tolist()
-        steps, n_bad, first_bad = (int(v) for v in acc["count"])
-        grad_norm, param_norm, is_set = sums[2 * n:2 * n + 3]
-        values = {k: [t, w] for k, t, w in zip(self.names, sums[:n], sums[n:2 * n])}
-        lrs = {f"train/lr/{k}".rstrip("/"): v for k, v in zip(self.lrs, sums[2 * n + 3:])}
-        return steps, n_bad, first_bad, values, is_set and [grad_norm, param_norm], lrs
-
-
-def _at_log(state, config):
-    """Whether the step that `state` goes into ends at a multiple of `log_every`."""
-    return (state.step + 1) % config.log_every == 0
-
-
-def _param_norm(state):
-    """The parameters' norm, or NaN if any floating leaf of the state is NaN (a nested TrainState,
-    the optimizer's moments): finite means fit may save the state. (+-inf stays legitimate outside
-    the params: optax's reduce_on_plateau starts at inf.)"""
-    nan = [jnp.isnan(x).any() for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype,
-                                                                               jnp.inexact)]
-    return jnp.where(functools.reduce(jnp.logical_or, nan, False), jnp.nan,
-                     optax.tree.norm(state.params))
-
-
-def _log_norm(state, config, tree):
-    """The norm of `tree` at log steps, else 0 (or computed anyway): a pass over every parameter
-    and gradient each step cost a tiny MLP 3-10% of its speed on a CPU."""
-    norm = lambda tree: jnp.asarray(optax.tree.norm(tree), jnp.float32)
-    if config.norms_every_step:
-        return norm(tree)
-    return jax.lax.cond(_at_log(state, config), norm, lambda tree: jnp.float32(0), tree)
-
-
-def _totals_and_weights(metrics, rows):
-    """Metrics as one [2, n] array of totals and weights: a `Weighted` as given (a negative
-    weight becomes NaN, which the host reports), a plain mean `m` as `(rows * m, rows)`."""
-    pairs = [(m.total, jnp.where(m.weight >= 0, m.weight, jnp.nan)) if isinstance(m, Weighted)
-             else (rows * m, rows) for m in metrics]
-    return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
-
-
-# -- The plan: every period converted to steps once; the monitor and its mode ------------------
+# -- The plan: every period converted to steps once; the monitor and its mode ----------------------
 
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
@@ -2013,7 +2036,7 @@ def _is_eval(monitor):
     return bool(monitor) and monitor.split("/")[0] in ("eval", "eval_ema")
 
 
-# -- The run: what a checkpoint holds, the best, the checkpoints, what hooks see ---------------
+# -- The run: what a checkpoint holds, the best, the checkpoints, what hooks see -------------------
 
 @dataclasses.dataclass
 class _Progress:
@@ -2361,6 +2384,21 @@ def _restore_weights(mgr, step, state, metadata, *, source, who):
         for k in groups})
 
 
+def _as_before(restored, like):
+    """A restored leaf as the state's: its dtype, or a typed key of its implementation."""
+    if _is_key(like):
+        return jax.random.wrap_key_data(restored, impl=jax.random.key_impl(like))
+    return jnp.asarray(restored, like.dtype)
+
+
+_is_array_like = lambda x: hasattr(x, "shape")  # (a checkpoint's metadata leaf)
+
+
+def _key_data(tree):
+    """Typed PRNG keys as their raw uint32 data, which orbax can save."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
 def _with_base(state, frozen):
     """`state` with an nnx model's frozen base filed back among its `batch_stats`, as the model
     holds them: the whole state that a checkpoint holds by default (None: `state`)."""
@@ -2412,33 +2450,6 @@ def _fingerprint(frozen):
     sums = jax.device_get(jax.jit(lambda tree: jax.tree.map(checksum, tree))(frozen))
     return {_path_name(p): [list(x.shape), str(x.dtype), int(c)] for (p, x), c in zip(
         jax.tree_util.tree_leaves_with_path(frozen), jax.tree.leaves(sums))}
-
-
-def _check_base(saved, frozen, where):
-    """Raises, naming the first path that differs, if the model's frozen base is not the one
-    whose fingerprint a run saved (`save_frozen=False`)."""
-    mine = _fingerprint(frozen)
-    for path in sorted({*saved, *mine}):
-        if saved.get(path) != mine.get(path):
-            raise ValueError(f"{where} was saved without its frozen base (save_frozen=False), and "
-                             f"the model's base differs from that run's at {path}: "
-                             f"{mine.get(path)} here, {saved.get(path)} there ([shape, dtype, "
-                             f"checksum]); pass the model with the run's base.")
-
-
-def _as_before(restored, like):
-    """A restored leaf as the state's: its dtype, or a typed key of its implementation."""
-    if _is_key(like):
-        return jax.random.wrap_key_data(restored, impl=jax.random.key_impl(like))
-    return jnp.asarray(restored, like.dtype)
-
-
-_is_array_like = lambda x: hasattr(x, "shape")  # (a checkpoint's metadata leaf)
-
-
-def _key_data(tree):
-    """Typed PRNG keys as their raw uint32 data, which orbax can save."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
 class _Run:
@@ -2508,7 +2519,7 @@ class _Run:
             _agree_on_stops(self)
         return self.state
 
-    def timed(self, name):
+    def timed(self, name: str) -> contextlib.AbstractContextManager:
         """`with run.timed("upload"):` a hook's own work, as `history.timing["upload_s"]`; all of
         your hooks' time is kept out of steps/s anyway, as `hooks_s`."""
         if self.clock and name in self.clock.spent:
@@ -2534,7 +2545,25 @@ class _Run:
                 hook("train_end", self)
 
 
-# -- The loop: train metrics and time on the host, read one step late; an eval, a save ---------
+def _hook_names(hooks):
+    """Each hook's stable name, the key of its saved state, the same on every process whatever
+    `verbose` and `tensorboard`: its `name` attribute, else its class's or function's name; the
+    n-th hook of one name is `<name>_<n>`."""
+    bases = [getattr(hook, "name", None) or _name(hook) for hook in hooks]
+    return [b if not bases[:i].count(b) else f"{b}_{bases[:i].count(b) + 1}"
+            for i, b in enumerate(bases)]
+
+
+def _hook_states(saved, hooks, names):
+    """A checkpoint's hook states by name; one written before #40 keyed them by position among all
+    hooks (the built-in ones' count varied): its states go to the hooks that keep one, in order."""
+    if not saved or not all(key.isdigit() for key in saved):
+        return saved
+    keeping = [name for hook, name in zip(hooks, names) if hasattr(hook, "set_state")]
+    return dict(zip(keeping, [saved[key] for key in sorted(saved, key=int)]))
+
+
+# -- The loop: the compiled steps' calls, the train metrics read one call late, time; its body -----
 
 _MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warns
 
@@ -2543,21 +2572,6 @@ _AHEAD = 2  # calls the host may dispatch before the device has finished them
 
 
 _LAG = 1  # calls after a log point that its sums are read (the read waits for them if need be)
-
-
-# Dense bf16 peak TFLOP/s per chip (data sheets, no sparsity) for perf/mfu, by `device_kind`.
-_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
-                ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0),
-                ("L4", 121.0), ("TPU v6 lite", 918.0),
-                ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0), ("TPU v3", 123.0))
-
-
-def _peak_tflops(device_kind):
-    return next((peak for name, peak in _PEAK_TFLOPS if name in device_kind), None)
-
-
-def _megabytes(n):
-    return f"{n / 1e6:.1f} MB"
 
 
 class _Dispatch:
@@ -2757,6 +2771,21 @@ class _Readings:
         return means
 
 
+# Dense bf16 peak TFLOP/s per chip (data sheets, no sparsity) for perf/mfu, by `device_kind`.
+_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
+                ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0),
+                ("L4", 121.0), ("TPU v6 lite", 918.0),
+                ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0), ("TPU v3", 123.0))
+
+
+def _peak_tflops(device_kind):
+    return next((peak for name, peak in _PEAK_TFLOPS if name in device_kind), None)
+
+
+def _megabytes(n):
+    return f"{n / 1e6:.1f} MB"
+
+
 class _Clock:
     """Time and speed: what the steady rate leaves out (compiles, evals, saves, the last commit,
     your hooks), the steady rate, the speed figures of a log point, and `timing`, the run's."""
@@ -2950,24 +2979,6 @@ class _Loop:
                                f"saved, continue with resume=True.")
 
 
-def _hook_names(hooks):
-    """Each hook's stable name, the key of its saved state, the same on every process whatever
-    `verbose` and `tensorboard`: its `name` attribute, else its class's or function's name; the
-    n-th hook of one name is `<name>_<n>`."""
-    bases = [getattr(hook, "name", None) or _name(hook) for hook in hooks]
-    return [b if not bases[:i].count(b) else f"{b}_{bases[:i].count(b) + 1}"
-            for i, b in enumerate(bases)]
-
-
-def _hook_states(saved, hooks, names):
-    """A checkpoint's hook states by name; one written before #40 keyed them by position among all
-    hooks (the built-in ones' count varied): its states go to the hooks that keep one, in order."""
-    if not saved or not all(key.isdigit() for key in saved):
-        return saved
-    keeping = [name for hook, name in zip(hooks, names) if hasattr(hook, "set_state")]
-    return dict(zip(keeping, [saved[key] for key in sorted(saved, key=int)]))
-
-
 def _metric_tag(part, eval_set, metric):
     """`eval/accuracy`, or with a named eval set `eval/val/accuracy`."""
     return f"{part}/{metric}" if eval_set is None else f"{part}/{eval_set}/{metric}"
@@ -3016,12 +3027,181 @@ def _python_metrics(fns, view):
     return compute if fns else None
 
 
+# -- Processes and signals: what every process must agree on; SIGINT, SIGTERM, preemption ----------
+
+def _agree_on_stops(run):
+    """A stop or save that any process asks for (a hook, a signal) holds for all, so every process
+    saves the same; a hook's stop (final) outranks a signal's (resumable)."""
+    kind = 0 if not run.stopping else 1 if run.stopping in _SIGNALS else 2
+    most, save = multihost_utils.process_allgather(np.array([kind, run.save], np.int32)).max(0)
+    run.save = bool(save)
+    if most > kind:
+        run.stopping = "SIGINT" if most == 1 else "a hook on another process"
+
+
+def _gathered(value):
+    """Every process's JSON-able `value`, by process index (a collective); one process: None."""
+    if jax.process_count() == 1:
+        return None
+    text = json.dumps(_jsonable(value)).encode()
+    size = int(np.asarray(multihost_utils.process_allgather(np.int32(len(text)))).max())
+    rows = multihost_utils.process_allgather(np.frombuffer(text.ljust(size), np.uint8))
+    return [json.loads(bytes(row).decode()) for row in np.asarray(rows)]
+
+
+def _agree(mine, what):
+    """Raises the same error in every process if their texts differ (a collective)."""
+    mine = mine.encode()
+    # A digest to compare, then the text to show (cut to a fixed length, as a gather needs).
+    row = np.frombuffer(hashlib.sha256(mine).digest() + mine[:2048].ljust(2048, b"\0"), np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row))
+    if (rows[:, :32] == rows[0, :32]).all():
+        return
+    listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
+                         for i, r in enumerate(rows))
+    raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must pass the same arrays (x, y) "
+                     f"with the global batch_size (fit takes each process's share), or feed the "
+                     f"same number of batches of the same shapes (its share of each global "
+                     f"batch), else the run hangs in a collective or trains on mismatched arrays.")
+
+
+_SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
+
+
+class _Signals:
+    """Why the run must stop. Ctrl-C or SIGTERM stops after the step with a checkpoint, resumably;
+    SIGTERM then exits 143, a second Ctrl-C aborts at once. One after the last step: SIGTERM exits
+    143, Ctrl-C raises KeyboardInterrupt, once the final checkpoint is committed. Off the main
+    thread fit cannot catch signals (it warns). With several processes JAX's preemption notifier
+    owns SIGTERM (one step for all) and takes Ctrl-C; without it, Ctrl-C on one process stops all
+    at the next log point."""
+
+    def __init__(self):
+        self.reason, self.asked, self.previous, self.forwarded = None, None, {}, False
+
+    def __enter__(self):
+        sigs = [signal.SIGINT] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn("fit: called off the main thread, where Python lets no code catch "
+                          "signals: Ctrl-C and SIGTERM cannot stop this run with a checkpoint "
+                          "(resume=True goes on from its last one).", stacklevel=3)
+            return self
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
+        return self
+
+    def _handle(self, sig, frame):
+        if (self.reason or self.asked or self.forwarded) and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        # With several processes, one stopping alone would leave the others in a collective.
+        if jax.process_count() == 1:
+            self.reason = signal.Signals(sig).name
+        elif jax.config.jax_enable_preemption_service:  # it picks one step for all
+            self.forwarded = True
+            signal.raise_signal(signal.SIGTERM)
+        else:  # asked of every process at the next log point (_Loop.poll)
+            self.asked = signal.Signals(sig).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    @staticmethod
+    def honour(stopping, late):
+        """After the run is closed: SIGTERM or preemption (a stop's, or one `late`, after the last
+        step) exits 143, what schedulers expect; a late Ctrl-C stops the script."""
+        if stopping in ("SIGTERM", "preemption") or late in ("SIGTERM", "preemption"):
+            raise SystemExit(128 + signal.SIGTERM)
+        if late == "SIGINT" and stopping not in _SIGNALS:
+            raise KeyboardInterrupt
+
+
+# -- Small helpers ---------------------------------------------------------------------------------
+
+def _mean(name, total, weight, who, where):
+    """A metric's exact value over many batches: the sum of its totals over their weights."""
+    if math.isnan(weight):
+        raise ValueError(f"fit: metric {name!r} of {who} has a negative weight in {where}; a "
+                         f"Weighted(total, weight) needs weight >= 0 (e.g. a count of tokens).")
+    if not weight:
+        raise ValueError(f"fit: metric {name!r} of {who} has a total weight of 0 over {where} "
+                         f"(all padding?), so it has no value; give it real examples.")
+    return total / weight
+
+
+def _path_name(path):
+    """A tree path as `params/Dense_0/kernel`."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _lr_in(tree):
+    """The learning rates that `optax.inject_hyperparams` keeps in an optimizer state: one as
+    `{"": lr}`, several (`optax.multi_transform`) by their labels (else paths); none: `{}`."""
+    is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
+    try:
+        found = optax.tree.get_all_with_path(tree, "learning_rate", filtering=is_array)
+    except Exception:  # (a state optax cannot search: no rate to log)
+        return {}
+    if len(found) == 1:
+        return {"": found[0][1]}
+    label = lambda path: [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)
+                          and k.key not in ("hyperparams", "learning_rate")][-1:]
+    labels = ["".join(label(path)) or _path_name(path[:-2]) for path, _ in found]
+    if len(set(labels)) < len(labels):
+        labels = [_path_name(path[:-2]) for path, _ in found]
+    return dict(zip(labels, [value for _, value in found]))
+
+
+def _is_nnx_state(state):
+    """Whether a TrainState is an nnx model's, as `_adapt` makes it (no apply_fn)."""
+    return getattr(state, "apply_fn", True) is None
+
+
+def _is_nnx(x):
+    nnx = sys.modules.get("flax.nnx")  # (no import: it costs runs without nnx ~0.3 s, ~9 MB)
+    return nnx is not None and isinstance(x, nnx.Module)
+
+
+def _is_key(x):
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _verbosity(verbose):
+    """0 on processes other than 0; TQDM_DISABLE=1 (tqdm's own switch) turns 1 into 2."""
+    if jax.process_index() != 0:
+        return 0
+    tqdm_off = os.environ.get("TQDM_DISABLE", "").lower() not in ("", "0", "false")
+    return 2 if verbose == 1 and tqdm_off else verbose
+
+
+def _name(fn):
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _itself(x, *_):
+    return x
+
+
+def _say(verbose, message):
+    if verbose:
+        tqdm.write(message)
+
+
+def _jsonable(tree):
+    as_json = lambda o: o.tolist() if hasattr(o, "tolist") else str(o)  # numpy values; the rest
+    return json.loads(json.dumps(tree, default=as_json))
+
+
 # ==============================================================================================
-# Guards. The story of a run ends above: a reader may stop here. What follows checks, advises
-# and protects (the run's claim, damaged checkpoints, processes, signals), each part called from
-# one line of the story.
+# Guards. The story of a run ends above. What follows checks, advises and refuses, and is called
+# only from the lines named here (tests/test_shape.py holds the file to it), so a reader may skip
+# it:
+#   fit: _check_state, _check_data, _check_plan, _check_schedule
+#   _adapt: _nnx_optimizer, _nnx_fits, _check_frozen
+#   _new_steps, _jit_eval, _train_and_accumulate: _trace, _metric_names, _per_example, _warn_dtypes
+#   _Checkpoints: _claim_run, _quiet, _cause, _check_base
+#   _load, _meta, _restore, _restore_weights: _restoring, _unrestorable, _check_fits, _check_base
 # ==============================================================================================
-# -- Checks of the state, the data and the plan, before any directory or compile --------------
+# -- Checks before any directory or compile: the state, the data, the plan -------------------------
 
 def _check_state(state, opts):
     if not (opts.train_step or opts.loss_fn or opts.nnx_loss_fn):
@@ -3048,28 +3228,6 @@ def _check_state(state, opts):
                          f"(...)), or pass an nnx model with optimizer=nnx.Optimizer(...).")
 
 
-def _nnx_fits(state, who):
-    """The nnx optimizer's state must fit the model's parameters it trains."""
-    try:
-        if state.tx is not None:
-            jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{who}: the optimizer's state does not fit the model's parameters; "
-                         f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
-                         f"({e})") from None
-
-
-def _check_frozen(after, before):
-    """At trace time: a step that changes an nnx.Param outside the optimizer's `wrt` (the base fit
-    passes to each step unchanged, and would not keep) raises, naming it."""
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(after), jax.tree.leaves(before)):
-        if a is not b:
-            raise ValueError(f"fit: the step changes {_path_name(path)}, an nnx.Param outside "
-                             f"the optimizer's wrt, which fit passes to every step as a frozen "
-                             f"base and does not keep; make it another nnx.Variable type (as "
-                             f"BatchStat), or train it (wrt).")
-
-
 def _nnx_optimizer(optimizer, who):
     """An nnx model's optimizer, checked (none needed for `evaluate` or weights alone)."""
     if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only)
@@ -3081,6 +3239,17 @@ def _nnx_optimizer(optimizer, who):
         raise TypeError(f"{who}: an nnx model needs optimizer=nnx.Optimizer(model, tx, "
                         f"wrt=nnx.Param), got optimizer={got}.")
     return optimizer
+
+
+def _nnx_fits(state, who):
+    """The nnx optimizer's state must fit the model's parameters it trains."""
+    try:
+        if state.tx is not None:
+            jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{who}: the optimizer's state does not fit the model's parameters; "
+                         f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
+                         f"({e})") from None
 
 
 def _check_data(train_data, eval_data, opts, mesh):
@@ -3174,43 +3343,7 @@ def _check_schedule(state, opts, end):
                           f"steps per epoch)?", stacklevel=3)
 
 
-def _agree_on_stops(run):
-    """A stop or save that any process asks for (a hook, a signal) holds for all, so every process
-    saves the same; a hook's stop (final) outranks a signal's (resumable)."""
-    kind = 0 if not run.stopping else 1 if run.stopping in _SIGNALS else 2
-    most, save = multihost_utils.process_allgather(np.array([kind, run.save], np.int32)).max(0)
-    run.save = bool(save)
-    if most > kind:
-        run.stopping = "SIGINT" if most == 1 else "a hook on another process"
-
-
-def _gathered(value):
-    """Every process's JSON-able `value`, by process index (a collective); one process: None."""
-    if jax.process_count() == 1:
-        return None
-    text = json.dumps(_jsonable(value)).encode()
-    size = int(np.asarray(multihost_utils.process_allgather(np.int32(len(text)))).max())
-    rows = multihost_utils.process_allgather(np.frombuffer(text.ljust(size), np.uint8))
-    return [json.loads(bytes(row).decode()) for row in np.asarray(rows)]
-
-
-def _agree(mine, what):
-    """Raises the same error in every process if their texts differ (a collective)."""
-    mine = mine.encode()
-    # A digest to compare, then the text to show (cut to a fixed length, as a gather needs).
-    row = np.frombuffer(hashlib.sha256(mine).digest() + mine[:2048].ljust(2048, b"\0"), np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(row))
-    if (rows[:, :32] == rows[0, :32]).all():
-        return
-    listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
-                         for i, r in enumerate(rows))
-    raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must pass the same arrays (x, y) "
-                     f"with the global batch_size (fit takes each process's share), or feed the "
-                     f"same number of batches of the same shapes (its share of each global "
-                     f"batch), else the run hangs in a collective or trains on mismatched arrays.")
-
-
-# -- Advice: your functions checked as they are traced ----------------------------------------
+# -- Advice: your functions checked as they are traced ---------------------------------------------
 
 def _trace(fn, state, spec, config, fit_calls=False):
     """`fn(state, batch)`'s output shapes: checks your functions before any compile or directory,
@@ -3298,7 +3431,18 @@ def _warn_dtypes(new, old):
                       f"cast inside apply_fn or the model.")
 
 
-# -- The run's claim and lock ------------------------------------------------------------------
+def _check_frozen(after, before):
+    """At trace time: a step that changes an nnx.Param outside the optimizer's `wrt` (the base fit
+    passes to each step unchanged, and would not keep) raises, naming it."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(after), jax.tree.leaves(before)):
+        if a is not b:
+            raise ValueError(f"fit: the step changes {_path_name(path)}, an nnx.Param outside "
+                             f"the optimizer's wrt, which fit passes to every step as a frozen "
+                             f"base and does not keep; make it another nnx.Variable type (as "
+                             f"BatchStat), or train it (wrt).")
+
+
+# -- The run's claim and lock ----------------------------------------------------------------------
 
 def _claim_run(workdir, log_name, resume, claim=True):
     """`(name, whether it has a checkpoint, the lock)` of the run picked: a fresh run the next free
@@ -3381,7 +3525,7 @@ def _lock(run_dir):
     return lock
 
 
-# -- Damaged checkpoints and failed saves ------------------------------------------------------
+# -- Checkpoints that do not fit or are damaged; failed saves --------------------------------------
 
 def _check_fits(stored, wanted, where):
     """Raises, naming each leaf, if a checkpoint's `stored` shapes (by path) differ from the state's
@@ -3395,6 +3539,18 @@ def _check_fits(stored, wanted, where):
         raise ValueError(f"{where} does not fit this state ({len(problems)} differences):\n  "
                          f"{listed}\nUse the model and optimizer of the run that wrote it, or "
                          f"start a fresh run (resume=False or another log_name).")
+
+
+def _check_base(saved, frozen, where):
+    """Raises, naming the first path that differs, if the model's frozen base is not the one
+    whose fingerprint a run saved (`save_frozen=False`)."""
+    mine = _fingerprint(frozen)
+    for path in sorted({*saved, *mine}):
+        if saved.get(path) != mine.get(path):
+            raise ValueError(f"{where} was saved without its frozen base (save_frozen=False), and "
+                             f"the model's base differs from that run's at {path}: "
+                             f"{mine.get(path)} here, {saved.get(path)} there ([shape, dtype, "
+                             f"checksum]); pass the model with the run's base.")
 
 
 @contextlib.contextmanager
@@ -3440,131 +3596,3 @@ def _quiet(ckpt_dir=None):
             "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
         return f"{os.sep}orbax{os.sep}" not in text and not (ckpt_dir and ckpt_dir in text)
     return quiet
-
-
-# -- Signals: SIGINT, SIGTERM and preemption notices -------------------------------------------
-
-_SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
-
-
-class _Signals:
-    """Why the run must stop. Ctrl-C or SIGTERM stops after the step with a checkpoint, resumably;
-    SIGTERM then exits 143, a second Ctrl-C aborts at once. One after the last step: SIGTERM exits
-    143, Ctrl-C raises KeyboardInterrupt, once the final checkpoint is committed. Off the main
-    thread fit cannot catch signals (it warns). With several processes JAX's preemption notifier
-    owns SIGTERM (one step for all) and takes Ctrl-C; without it, Ctrl-C on one process stops all
-    at the next log point."""
-
-    def __init__(self):
-        self.reason, self.asked, self.previous, self.forwarded = None, None, {}, False
-
-    def __enter__(self):
-        sigs = [signal.SIGINT] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
-        if threading.current_thread() is not threading.main_thread():
-            warnings.warn("fit: called off the main thread, where Python lets no code catch "
-                          "signals: Ctrl-C and SIGTERM cannot stop this run with a checkpoint "
-                          "(resume=True goes on from its last one).", stacklevel=3)
-            return self
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
-        return self
-
-    def _handle(self, sig, frame):
-        if (self.reason or self.asked or self.forwarded) and sig == signal.SIGINT:
-            raise KeyboardInterrupt
-        # With several processes, one stopping alone would leave the others in a collective.
-        if jax.process_count() == 1:
-            self.reason = signal.Signals(sig).name
-        elif jax.config.jax_enable_preemption_service:  # it picks one step for all
-            self.forwarded = True
-            signal.raise_signal(signal.SIGTERM)
-        else:  # asked of every process at the next log point (_Loop.poll)
-            self.asked = signal.Signals(sig).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    @staticmethod
-    def honour(stopping, late):
-        """After the run is closed: SIGTERM or preemption (a stop's, or one `late`, after the last
-        step) exits 143, what schedulers expect; a late Ctrl-C stops the script."""
-        if stopping in ("SIGTERM", "preemption") or late in ("SIGTERM", "preemption"):
-            raise SystemExit(128 + signal.SIGTERM)
-        if late == "SIGINT" and stopping not in _SIGNALS:
-            raise KeyboardInterrupt
-
-
-# -- Small helpers ------------------------------------------------------------------------------
-
-def _mean(name, total, weight, who, where):
-    """A metric's exact value over many batches: the sum of its totals over their weights."""
-    if math.isnan(weight):
-        raise ValueError(f"fit: metric {name!r} of {who} has a negative weight in {where}; a "
-                         f"Weighted(total, weight) needs weight >= 0 (e.g. a count of tokens).")
-    if not weight:
-        raise ValueError(f"fit: metric {name!r} of {who} has a total weight of 0 over {where} "
-                         f"(all padding?), so it has no value; give it real examples.")
-    return total / weight
-
-
-def _path_name(path):
-    """A tree path as `params/Dense_0/kernel`."""
-    return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-def _lr_in(tree):
-    """The learning rates that `optax.inject_hyperparams` keeps in an optimizer state: one as
-    `{"": lr}`, several (`optax.multi_transform`) by their labels (else paths); none: `{}`."""
-    is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
-    try:
-        found = optax.tree.get_all_with_path(tree, "learning_rate", filtering=is_array)
-    except Exception:  # (a state optax cannot search: no rate to log)
-        return {}
-    if len(found) == 1:
-        return {"": found[0][1]}
-    label = lambda path: [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)
-                          and k.key not in ("hyperparams", "learning_rate")][-1:]
-    labels = ["".join(label(path)) or _path_name(path[:-2]) for path, _ in found]
-    if len(set(labels)) < len(labels):
-        labels = [_path_name(path[:-2]) for path, _ in found]
-    return dict(zip(labels, [value for _, value in found]))
-
-
-def _is_nnx_state(state):
-    """Whether a TrainState is an nnx model's, as `_adapt` makes it (no apply_fn)."""
-    return getattr(state, "apply_fn", True) is None
-
-
-def _is_nnx(x):
-    nnx = sys.modules.get("flax.nnx")  # (no import: it costs runs without nnx ~0.3 s, ~9 MB)
-    return nnx is not None and isinstance(x, nnx.Module)
-
-
-def _is_key(x):
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _verbosity(verbose):
-    """0 on processes other than 0; TQDM_DISABLE=1 (tqdm's own switch) turns 1 into 2."""
-    if jax.process_index() != 0:
-        return 0
-    tqdm_off = os.environ.get("TQDM_DISABLE", "").lower() not in ("", "0", "false")
-    return 2 if verbose == 1 and tqdm_off else verbose
-
-
-def _name(fn):
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _itself(x, *_):
-    return x
-
-
-def _say(verbose, message):
-    if verbose:
-        tqdm.write(message)
-
-
-def _jsonable(tree):
-    as_json = lambda o: o.tolist() if hasattr(o, "tolist") else str(o)  # numpy values; the rest
-    return json.loads(json.dumps(tree, default=as_json))
