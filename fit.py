@@ -424,7 +424,7 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     frozen = _place_frozen(model.frozen, mesh)
 
-    # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
+    # 3. Build the compiled steps (every step's jax.jit is in _build_steps), then plan the run.
     config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
     steps = _build_steps(state, train_data, eval_data, config, mesh, frozen=frozen)
     plan = _Plan(opts, train_data, eval_data, steps, state)
@@ -440,8 +440,7 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
     progress = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, start=start,
                          batching=batching, options=_jsonable(hparams))  # (filled from the
     fresh_work = not plan.done(0, start)  # checkpoint if the run goes on; else: claim nothing)
-    ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, claim=fresh_work,
-                         frozen=frozen)
+    ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, fresh_work, frozen)
     state = ckpts.restore(state)  # (from here on, the run is held: closed on any exit)
     step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
     run = _Run(builtin + list(opts.hooks), plan, ckpts, progress)
@@ -452,9 +451,8 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
         run.history.timing = _Clock(steps, opts, step).timing(step)  # (no work done)
         return model.finish(run.end(state, step, epoch), ckpts.frozen), run.history
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
-                  f"{step} on {mesh.size} device(s), " + (f"best by {plan.monitor} ({plan.mode})"
-                  if plan.monitor else "no best: no metric whose name tells its mode") + "; "
-                  f"tensorboard --logdir {ckpts.logs}")
+                  f"{step} on {mesh.size} device(s), {plan.best}; tensorboard --logdir "
+                  f"{ckpts.logs}")
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one step late, when the device has finished them.
@@ -477,7 +475,7 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
                     stop = signals.reason or ckpts.count_call()  # (several processes: each call)
                     if step < due and not (last or stop):
                         continue  # nothing else to do: the host stays ahead of the device
-                    loop.log(state, step, epoch, due=plan.due("log", step, k))  # (n calls: n-1)
+                    loop.log(state, step, epoch, due=plan.due("log", step, k))  # (read later)
                     if plan.due("eval", step, k):
                         loop.evals(state, step, epoch)
                     run.stopping = run.stopping or stop or signals.reason
@@ -518,15 +516,15 @@ def load_ckpt(state: Any, ckpt_dir: str | os.PathLike, step: int | str | None = 
     if _is_nnx(state):
         who = "load_ckpt" if optimizer or not weights_only else "evaluate"  # (no optimizer)
         model = _adapt(state, Options(optimizer=optimizer), who)
-        return model.finish(*_load(model.state, ckpt_dir, step, weights_only, ema, model.frozen))
+        return model.finish(*_load(model.state, ckpt_dir, step, weights_only=weights_only,
+                                   ema=ema, frozen=model.frozen))
     if optimizer is not None:
         raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its tx.")
-    return _load(state, ckpt_dir, step, weights_only, ema)[0]
+    return _load(state, ckpt_dir, step, weights_only=weights_only, ema=ema)[0]
 
 
-def _load(state, ckpt_dir, step, weights_only, ema, frozen=None):
-    """`load_ckpt`'s restore: `(state, frozen)`, an nnx model's frozen base from a checkpoint that
-    holds it, else the model's own (checked against the one the run saved instead)."""
+def _load(state, ckpt_dir, step, *, weights_only, ema, frozen=None):
+    """`load_ckpt`'s restore: `(state, frozen)`, an nnx model's frozen base (`_restore_all`)."""
     for name, value in (("weights_only", weights_only), ("ema", ema)):
         if not isinstance(value, bool):
             raise TypeError(f"load_ckpt: {name} must be True or False, got {value!r}.")
@@ -555,20 +553,11 @@ def _load(state, ckpt_dir, step, weights_only, ema, frozen=None):
         placed = _place_state(state, 0, _replicated(_default_mesh()))
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
-        base = _is_nnx_state(state) and _meta(mgr, step, "load_ckpt").get("base")
-        carved = base and frozen is None  # (nnx weights without the optimizer: all are params)
-        if carved:
-            placed, frozen = _carve(placed, base)
-        whole = frozen is not None and not base  # (the base saved with the state)
-        restored = _restore(mgr, step, _with_base(placed, frozen) if whole else placed,
-                            "load_ckpt", weights_only=weights_only, ema=ema)[0]
+        restored, _, frozen = _restore_all(mgr, step, placed, "load_ckpt", frozen=frozen,
+                                           weights_only=weights_only, ema=ema)
         if weights_only and hasattr(state, "rng"):  # (placing filled a None rng, from seed 0)
             restored = restored.replace(rng=state.rng)
-        if base:
-            _check_base(base, frozen, f"load_ckpt: the checkpoint at step {step} in {ckpt_dir}")
-        if carved:
-            return restored.replace(params=_merge(restored.params, frozen)), None
-        return _split_base(restored, placed, frozen) if whole else (restored, frozen)
+        return restored, frozen
     finally:
         mgr.close()
 
@@ -853,7 +842,7 @@ def _adapt(model, opts, who="fit"):
 
 
 def _pure(tree):
-    """nnx States as plain dicts: jit flattens the state every call, an nnx.State twice as slowly."""
+    """nnx States as plain dicts: jit flattens the state each call, an nnx.State twice as slowly."""
     from flax import nnx
     is_state = lambda x: isinstance(x, nnx.State)
     return jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x, nnx.as_pure(tree),
@@ -942,7 +931,8 @@ def _local_shards(mesh, axes):
 
 @functools.lru_cache(maxsize=None)
 def _slices(mesh, axes):
-    """The slices of a batch's rows (over the batch `axes`, in order) this process's devices hold."""
+    """The slices of a batch's rows (over the batch `axes`, in order) this process's devices
+    hold."""
     at = [mesh.axis_names.index(axis) for axis in axes]
     shape = [mesh.devices.shape[i] for i in at]
     return sorted({int(np.ravel_multi_index([idx[i] for i in at], shape))
@@ -1963,6 +1953,8 @@ class _Plan:
         eval_names = {name: sums.names + python for name, sums in steps.eval_sums.items()}
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, steps.train_names,
                                                 eval_names, self.ema)
+        self.best = f"best by {self.monitor} ({self.mode})" if self.monitor else \
+            "no best: no metric whose name tells its mode"  # (said at the start)
 
     def end(self, start):
         """The run's last step, from `start`, the state's step when it began (None: unknown)."""
@@ -2206,17 +2198,8 @@ class _Checkpoints:
         self.open()
         self.saved = self.good = self.mgr.latest_step()
         try:
-            base = self.frozen is not None and _meta(self.mgr, self.saved, "fit").get("base")
-            whole = self.frozen is not None and not base
-            restored, meta = _restore(self.mgr, self.saved, _with_base(state, self.frozen)
-                                      if whole else state, "fit")
-            if whole:
-                restored, base = _split_base(restored, state, self.frozen)
-                if _fingerprint(base) != _fingerprint(self.frozen):
-                    self.frozen = base
-            elif base:
-                _check_base(base, self.frozen, f"fit: run {self.run}'s checkpoint")
-            state = restored
+            state, meta, self.frozen = _restore_all(self.mgr, self.saved, state, "fit",
+                                                    frozen=self.frozen)
             saved = _Progress.read(meta)
             saved.check(self.run, self.progress.seed, self.progress.batching)
             self.progress.go_on(saved)
@@ -2311,6 +2294,27 @@ def _open(ckpt_dir, options):
         sys.unraisablehook, unraisable.fit_quiet = unraisable, True
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
+
+
+def _restore_all(mgr, step, state, who, *, frozen=None, **kwargs):
+    """`(state, meta, frozen)` of `step` (`kwargs`: `_restore`'s): an nnx model's frozen base from
+    the checkpoint that holds it (`frozen`, the one held, where they are equal), else checked
+    against the fingerprint a run saved instead (`save_frozen=False`)."""
+    base = _is_nnx_state(state) and _meta(mgr, step, who).get("base")
+    carved = base and frozen is None  # (nnx weights without the optimizer: all are params)
+    if carved:
+        state, frozen = _carve(state, base)
+    if base:
+        _check_base(base, frozen, f"{who}: the checkpoint at step {step} in {mgr.directory}")
+    whole = frozen is not None and not base  # (the base saved with the state)
+    restored, meta = _restore(mgr, step, _with_base(state, frozen) if whole else state, who,
+                              **kwargs)
+    if carved:
+        return restored.replace(params=_merge(restored.params, frozen)), meta, None
+    if whole:
+        restored, saved = _split_base(restored, state, frozen)
+        frozen = frozen if _fingerprint(saved) == _fingerprint(frozen) else saved
+    return restored, meta, frozen
 
 
 def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
@@ -2932,7 +2936,8 @@ class _Loop:
                 values = _eval_set(self.readings.steps, test, of, name, clock=self.run.clock,
                                    python=self.python)
                 for k, v in values.items():  # (arrays: to hooks and TensorBoard, not the history)
-                    (arrays if isinstance(v, np.ndarray) else metrics)[_metric_tag(part, name, k)] = v
+                    tag = _metric_tag(part, name, k)
+                    (arrays if isinstance(v, np.ndarray) else metrics)[tag] = v
         run, run.last_eval = self.run, step
         run.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
         run.save = run.best_of.track(metrics, step) or run.save
@@ -3198,8 +3203,9 @@ def _jsonable(tree):
 #   fit: _check_state, _check_data, _check_plan, _check_schedule
 #   _adapt: _nnx_optimizer, _nnx_fits, _check_frozen
 #   _new_steps, _jit_eval, _train_and_accumulate: _trace, _metric_names, _per_example, _warn_dtypes
-#   _Checkpoints: _claim_run, _quiet, _cause, _check_base
-#   _load, _meta, _restore, _restore_weights: _restoring, _unrestorable, _check_fits, _check_base
+#   _Checkpoints: _claim_run, _quiet, _cause
+#   _meta, _restore, _restore_weights: _restoring, _unrestorable, _check_fits
+#   _restore_all: _check_base
 # ==============================================================================================
 # -- Checks before any directory or compile: the state, the data, the plan -------------------------
 
