@@ -835,7 +835,8 @@ def _adapt(model, opts, who="fit"):
         nnx.update(model, state.params, state.batch_stats, *([frozen] if frozen else []))
         if state.tx is not None:
             nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
-            optimizer.step[...] = state.step
+            # (set, not assigned into: the model's step may sit on another mesh than fit's)
+            optimizer.step.set_value(state.step.astype(optimizer.step[...].dtype))
         return model
 
     return _Model(state, forward, opts.eval_step and eval_fn, view, finish, False, frozen)
@@ -2447,10 +2448,14 @@ def _part(tree, like):
 
 def _fingerprint(frozen):
     """A frozen base's identity, `{path: [shape, dtype, checksum]}`: the checksum is its bit
-    patterns summed modulo 2**32, exact and order-free, so the same on any device count."""
+    patterns, each times an odd weight of its position (a permutation changes it), summed modulo
+    2**32: exact and free of the summation's order, so the same on any device count."""
     def checksum(x):
         bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-        return jnp.sum(bits.astype(jnp.uint32), dtype=jnp.uint32)
+        at = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0) if x.ndim else jnp.uint32(0)
+        for axis in range(1, x.ndim):  # (the flat index, row-major)
+            at = at * x.shape[axis] + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+        return jnp.sum(bits.astype(jnp.uint32) * (2 * at + 1), dtype=jnp.uint32)
     sums = jax.device_get(jax.jit(lambda tree: jax.tree.map(checksum, tree))(frozen))
     return {_path_name(p): [list(x.shape), str(x.dtype), int(c)] for (p, x), c in zip(
         jax.tree_util.tree_leaves_with_path(frozen), jax.tree.leaves(sums))}

@@ -60,7 +60,7 @@ def test_batches_are_placed_before_their_step(monkeypatch, tmp_path):
     # On the 8 simulated devices: there put really places each batch (on a single CPU device it
     # hands numpy to jit, whose own C++ path is faster than device_put).
     events = []
-    real_putter, real_train = fit_module._putter, fit_module._Meter.dispatch
+    real_putter, real_train = fit_module._putter, fit_module._Dispatch.__call__
 
     def putter(*args, **kwargs):
         real_put = real_putter(*args, **kwargs)
@@ -75,7 +75,7 @@ def test_batches_are_placed_before_their_step(monkeypatch, tmp_path):
         return real_train(self, *args, **kwargs)
 
     monkeypatch.setattr(fit_module, "_putter", putter)
-    monkeypatch.setattr(fit_module._Meter, "dispatch", train)
+    monkeypatch.setattr(fit_module._Dispatch, "__call__", train)
     placed = []
     real_device_put = fit_module.jax.device_put
 
