@@ -1044,7 +1044,8 @@ def _putter(mesh, axes):
         numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
         return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    shards, shares = _local_shards(mesh, axes), _share(mesh, axes)[1]
+    shards, shares, processes = _local_shards(mesh, axes), _share(mesh, axes)[1], \
+        jax.process_count()
     rows = axes[0] if len(axes) == 1 else axes  # (the rows split over the batch axes)
     split = [NamedSharding(mesh, P(rows)), NamedSharding(mesh, P(None, rows))]
     whole = _replicated(mesh)
@@ -1055,7 +1056,7 @@ def _putter(mesh, axes):
         batch = tuple(batch) if whole_here else batch
         splits = not whole_here and jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
         sharding = split[stacked] if splits else whole
-        if jax.process_count() == 1:
+        if processes == 1:
             return jax.device_put(batch, sharding)
         if not (splits or held):  # every device needs the whole global batch: gather all rows
             batch = jax.tree.map(lambda a: np.concatenate(a, axis=int(stacked)),  # (a host round
@@ -3274,7 +3275,7 @@ def _check_data(train_data, eval_data, opts, mesh):
     if train_data.arrays:  # (said in global numbers: batch_size is the global batch)
         n, d = train_data.global_batch, d * train_data.share[1]
     if n % d:
-        raise ValueError(f"fit: the train_data batch size ({n}) must be divisible by the number of "
+        raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
                          f"devices its rows split over ({d}, on the batch_axes "
                          f"{_batch_axes(opts)}); use {n - n % d or d} or {n + d - n % d}. (Only "
                          f"a smaller last batch may split unevenly: it runs whole on every "
@@ -3282,7 +3283,7 @@ def _check_data(train_data, eval_data, opts, mesh):
     if n % (d * opts.grad_accum):
         k = opts.grad_accum
         raise ValueError(f"fit: grad_accum={k} splits each device's rows into {k} equal "
-                         f"microbatches, but the train_data batch size ({n}) gives {d} device(s) "
+                         f"microbatches, but the train batch size ({n}) gives {d} device(s) "
                          f"{n // d} rows each; use a batch size divisible by devices x grad_accum "
                          f"= {d * k}, e.g. {n + d * k - n % (d * k)}.")
     if jax.process_count() > 1 and train_data.length is None and not (
