@@ -22,32 +22,39 @@
                          num_epochs=10, log_name="mnist", hparams={"lr": 1e-3})
 
 You supply (`help(Options)` has every option, `help(fit)` what a run does): a `TrainState` or an
-nnx model with `optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param)`; `(x, y)` arrays with
-`batch_size=` or any iterable of `(inputs, targets)` batches; `loss_fn(outputs, targets)`, the
-model called as `apply_fn({"params", "batch_stats"}, inputs, train=True, mutable=["batch_stats"],
-rngs={"dropout": fold_in(rng, step)})` (another model: `train_step(state, batch[, rng]) ->
-(state, metrics)`); `eval_step(state, batch)`, per-batch means that fit weights by batch size
-(exact over the eval set; `test_ds` may be a dict of named sets, each logged as
-`eval/<name>/<metric>`); hooks `hook(event, run)` that may set `run.stop`, `run.save` (`_Run`).
+nnx model with `optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param)`; a tuple `(x, y)` of arrays
+with `batch_size=` (the global batch: every process passes the same arrays) or any iterable of
+`(inputs, targets)` batches (a list is batches); `loss_fn(outputs, targets)`, the model called as
+`apply_fn({"params", "batch_stats"}, inputs, train=True, mutable=["batch_stats"], rngs={"dropout":
+fold_in(rng, step)})` (another model: `train_step(state, batch[, rng]) -> (state, metrics)`);
+`eval_step(state, batch)`: per-batch means that fit weights by batch size, `Weighted`, arrays of
+counts or metric states, exact over the eval set (`_EvalSums`; `test_ds` may be a dict of named
+sets, each logged as `eval/<name>/<metric>`), and `eval_metrics` computed in Python; hooks
+`hook(event, run)` that may set `run.stop`, `run.save` (`_Run`).
 
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
-that order, each opened by a banner comment, and the guards come after them all. The map:
+that order, each opened by a banner comment; the guards come last, below a banner that names who
+calls them. One training step, from `fit` to the device and back: `fit`'s loop, `_Dispatch`,
+`_train_and_accumulate` (the bookkeeping), `_default_train_step`, `_gradient_step` (the math),
+`_Readings.read` (the sums, one call late). The map, by job:
 
     TrainState, Weighted, lr_schedule  public building blocks; ema, the weights' average
-    Options                            every option, its default, its rules
-    fit                                the story: check, place, build the steps, open the run, loop
+    Options, fit                       every option and its rules; the story of a run
     load_ckpt, evaluate, History       the rest of the public API
     EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
-    _adapt                             the model: linen's call, or nnx's as a TrainState
+    _adapt, _linen_forward             how the model is called: edit the forward here
     _mesh, _place_state, _putter       placement: the mesh, the state's copy, batches
-    _Data, _grouped, _prefetch         batches and their positions; steps_per_jit's groups
-    _StepConfig, _build_steps          every jax.jit, built from what traced code reads, cached
-    _Plan                              every period in steps; the monitor
-    _Progress, _Best, _Checkpoints     what a checkpoint holds; the best; orbax, saves, restores
-    _Run                               what hooks see; calling them
-    _Meter, _Loop                      train metrics and time on the host; the loop's body
+    _Data, _grouped, _prefetch         the data: the order of batches (`_Data.epoch`), positions
+    _gradient_step                     the step's math: change the step here (bf16, grads)
+    _StepConfig, _build_steps          the compiled steps, cached; what traced code reads
+    _step_values, _TrainSums           a per-step quantity (one edit), the train sums' layout
+    _jit_eval, _EvalSums               the eval: an eval step's sums, any shape of metric
+    _Plan, _pick_monitor               every period in steps; the monitor (the best, its mode)
+    _Progress, _Checkpoints            what a checkpoint holds (one field list), saves, restores
+    _Run, _Loop                        what hooks see; the loop's body: log, evals, checkpoint
+    _Dispatch, _Readings, _Clock       the steps' calls; train metrics on the host; time, speed
     guards                             checks before any work, advice on your functions, the
-                                       run's claim and lock, damaged checkpoints, signals
+                                       run's claim and lock, checkpoints that do not fit
 """
 import collections.abc
 import contextlib
@@ -256,7 +263,7 @@ class Options:
         totals' gradients and their weights are summed, then divided once, so an update is the
         whole batch's, also for a `Weighted` loss over padded tokens (`optax.MultiSteps`, a mean
         of means, is not). BatchNorm sees each microbatch; see docs/reference.md.
-    hooks: functions `hook(event, run)`, called after the built-in ones (see `_Run`).
+    hooks=(): functions `hook(event, run)`, called after the built-in ones (see `_Run`).
     verbose=1: 0: warnings only; 1: a bar and epoch lines; 2: the lines (1 too if TQDM_DISABLE=1).
     peak_tflops: a device's peak TFLOP/s, for `perf/mfu` on a chip not in `_PEAK_TFLOPS`.
     tensorboard=True: False: no event files.
@@ -597,7 +604,7 @@ class History(dict):
     """`fit`'s history of the whole run, resumes too: lists of `epoch`, `step`, `train/<metric>`
     (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` (and `eval_ema/...`) per eval,
     and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`
-    (`_Meter.timing`: seconds apart from the steady rate, e.g. `compile_s`, `eval_s`, `hooks_s`,
+    (`_Clock.timing`: seconds apart from the steady rate, e.g. `compile_s`, `eval_s`, `hooks_s`,
     `steady_steps_per_s`, the `perf/` speeds, XLA's memory estimate of the step)."""
     run = log_dir = ckpt_dir = timing = None
 
@@ -835,8 +842,7 @@ def _adapt(model, opts, who="fit"):
         nnx.update(model, state.params, state.batch_stats, *([frozen] if frozen else []))
         if state.tx is not None:
             nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
-            # (set, not assigned into: the model's step may sit on another mesh than fit's)
-            optimizer.step.set_value(state.step.astype(optimizer.step[...].dtype))
+            optimizer.step.set_value(state.step.astype(optimizer.step[...].dtype))  # (any mesh)
         return model
 
     return _Model(state, forward, opts.eval_step and eval_fn, view, finish, False, frozen)
@@ -1607,9 +1613,11 @@ def _cached(key, reuse, build):
 
 
 def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
-    """Every jax.jit of the run: the train step (alone, and scanned over `steps_per_jit` stacked
-    batches) and the eval steps, each summing metrics on device. Your step is traced for its metric
-    names before any compile, jitted alone, so the real call reuses that trace (0.1-0.2 s)."""
+    """Every compiled step of the run: the train step (alone, and scanned over `steps_per_jit`
+    stacked batches) and the eval steps (`_jit_eval`), each summing metrics on device. (Three small
+    jits live elsewhere: `_take`'s rows of device arrays, `_fingerprint`, `_check_schedule`'s.)
+    Your step is traced for its metric names before any compile, jitted alone, so the real call
+    reuses that trace (0.1-0.2 s)."""
     if train_data is None:  # (evaluate)
         fns, sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)
         return _Steps(evals=fns, eval_sums=sums)
@@ -1846,7 +1854,9 @@ class _EvalSums:
                              f"compute() keys among them); rename one.")
 
     def zeros(self):
-        zero = lambda s, like=None: np.zeros((like or s).shape, _sum_dtype(s.dtype))
+        # (arrays summed in int32 if integers, exactly, else float32)
+        zero = lambda s, like=None: np.zeros((like or s).shape, np.int32 if jnp.issubdtype(
+            s.dtype, jnp.integer) else np.float32)
         arrays = {k: (zero(v.total), zero(v.weight, v.total)) if isinstance(v, Weighted) else
                   zero(v) for k, v in self.arrays.items()}  # (a Weighted: total, weight)
         return {"sums": np.zeros(2 * len(self.scalars) + 1, np.float32),  # (+1: the batches)
@@ -1904,19 +1914,12 @@ def _eval_kind(name, value, who):
             raise TypeError(f"fit: {who} must return numbers (a per-batch mean, Weighted(total, "
                             f"weight), an array of counts) or metric states, but {name!r} is "
                             f"{getattr(part, 'dtype', type(part).__name__)}.")
-    if isinstance(value, Weighted) and not _broadcasts(value.weight.shape, value.total.shape):
+    w, t = (value.weight.shape, value.total.shape) if isinstance(value, Weighted) else ((), ())
+    if len(w) > len(t) or any(a not in (1, b) for a, b in zip(w[::-1], t[::-1])):  # (broadcasts?)
         raise TypeError(f"fit: {who}'s Weighted {name!r} has a total of shape "
                         f"{value.total.shape} and a weight of shape {value.weight.shape}; the "
                         f"weight must be a scalar or broadcast to the total's shape.")
     return "scalar" if parts[0].shape == () else "array"
-
-
-def _broadcasts(shape, to):
-    """Whether an array of `shape` broadcasts to `to`."""
-    try:
-        return np.broadcast_shapes(shape, to) == to
-    except ValueError:
-        return False
 
 
 def _computed_names(name, state):
@@ -1929,11 +1932,6 @@ def _computed_names(name, state):
         parts = [f.name for f in fields if hasattr(getattr(state, f.name), "compute")]
         return parts if parts and len(parts) == len(fields) else [name]
     return list(out) if isinstance(out, dict) else [name]
-
-
-def _sum_dtype(dtype):
-    """The dtype an array metric is summed in: int32 for integers (exact), else float32."""
-    return np.int32 if jnp.issubdtype(dtype, jnp.integer) else np.float32
 
 
 # -- The plan: every period converted to steps once; the monitor and its mode ----------------------
@@ -2357,7 +2355,8 @@ def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
         stored = {k: stored[v] for k, v in source.items()}
     _check_fits(stored, wanted, f"{who}: the checkpoint at step {step} in {mgr.directory}")
     if weights_only:
-        return _restore_weights(mgr, step, state, metadata, source=source, who=who), None
+        return _restore_weights(mgr, step, state, metadata, source=source, target=target,
+                                who=who), None
     with _restoring(mgr, step, who):
         out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                         meta=ocp.args.JsonRestore()))
@@ -2369,11 +2368,9 @@ def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
     return restored, out["meta"]
 
 
-def _restore_weights(mgr, step, state, metadata, *, source, who):
-    """`state` with its `params` and `batch_stats` from the checkpoint's leaves named in `source`;
-    the rest (orbax restores no part alone) goes to host memory."""
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          _key_data(state))
+def _restore_weights(mgr, step, state, metadata, *, source, target, who):
+    """`state` with its `params` and `batch_stats` from the checkpoint's leaves named in `source`
+    (`target`: the state's shapes); the rest (orbax restores no part alone) goes to host memory."""
     groups = [k for k in ("params", "batch_stats") if hasattr(target, k)]
     mine = {source[_path_name(p)]: x for p, x in jax.tree_util.tree_leaves_with_path(
         {k: getattr(target, k) for k in groups})}
@@ -2673,9 +2670,10 @@ class _Dispatch:
                    for part in ("argument", "output", "temp")}
             if estimate["step_argument_bytes"] is None:  # (the first shape's: said)
                 total = sum(new.values()) - memory.alias_size_in_bytes  # (the donated state)
-                parts = ", ".join(f"{name} {_megabytes(n)}" for name, n in zip(
+                mb = lambda n: f"{n / 1e6:.1f} MB"
+                parts = ", ".join(f"{name} {mb(n)}" for name, n in zip(
                     ("arguments", "outputs", "temporaries"), new.values()))
-                _say(self.verbose, f"fit: the compiled train step needs about {_megabytes(total)}"
+                _say(self.verbose, f"fit: the compiled train step needs about {mb(total)}"
                                    f" per device ({parts}: XLA's estimate).")
             estimate.update({key: max(v, estimate[key] or 0) for key, v in new.items()})
         return rows, flops
@@ -2788,14 +2786,6 @@ _PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H2
                 ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0), ("TPU v3", 123.0))
 
 
-def _peak_tflops(device_kind):
-    return next((peak for name, peak in _PEAK_TFLOPS if name in device_kind), None)
-
-
-def _megabytes(n):
-    return f"{n / 1e6:.1f} MB"
-
-
 class _Clock:
     """Time and speed: what the steady rate leaves out (compiles, evals, saves, the last commit,
     your hooks), the steady rate, the speed figures of a log point, and `timing`, the run's."""
@@ -2812,7 +2802,8 @@ class _Clock:
         self.rows = self.flops = self.tokens = 0.0
         self.counted = self.summed = 0
         self.weighted = steps.weighted_loss and "loss" in steps.train_sums.names
-        self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
+        kind = jax.local_devices()[0].device_kind
+        self.peak = opts.peak_tflops or next((p for name, p in _PEAK_TFLOPS if name in kind), None)
         # XLA's memory estimate of the compiled step, per device (the largest shape's: _Dispatch)
         self.estimate = dict.fromkeys(("step_argument_bytes", "step_output_bytes",
                                        "step_temp_bytes"))
@@ -3030,11 +3021,7 @@ def _python_metrics(fns, view):
             except (TypeError, ValueError):
                 raise TypeError(f"fit: eval_metrics[{name!r}] must return a float, got "
                                 f"{type(value).__name__} {str(value)[:80]}.") from None
-        values = np.array(values, np.float64)
-        if jax.process_count() > 1:  # (as bytes: exact, whatever jax's float width)
-            values = np.frombuffer(np.asarray(multihost_utils.broadcast_one_to_all(
-                np.frombuffer(values.tobytes(), np.uint8))).tobytes(), np.float64)
-        return dict(zip(fns, values.tolist()))
+        return dict(zip(fns, (_gathered(values) or [values])[0]))  # (process 0's, exactly)
     return compute if fns else None
 
 
@@ -3062,14 +3049,10 @@ def _gathered(value):
 
 def _agree(mine, what):
     """Raises the same error in every process if their texts differ (a collective)."""
-    mine = mine.encode()
-    # A digest to compare, then the text to show (cut to a fixed length, as a gather needs).
-    row = np.frombuffer(hashlib.sha256(mine).digest() + mine[:2048].ljust(2048, b"\0"), np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(row))
-    if (rows[:, :32] == rows[0, :32]).all():
+    texts = _gathered(mine)
+    if len(set(texts)) == 1:
         return
-    listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
-                         for i, r in enumerate(rows))
+    listed = "\n  ".join(f"process {i}: {text[:2048]}" for i, text in enumerate(texts))
     raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must pass the same arrays (x, y) "
                      f"with the global batch_size (fit takes each process's share), or feed the "
                      f"same number of batches of the same shapes (its share of each global "
@@ -3467,11 +3450,7 @@ def _claim_run(workdir, log_name, resume, claim=True):
             answer = [name, restored, None, ""]
         except (ValueError, RuntimeError) as e:
             answer = ["", False, type(e).__name__, str(e)]
-    if jax.process_count() > 1:  # (a collective that every process reaches)
-        text = json.dumps(answer).encode()[:8192].ljust(8192)
-        text = multihost_utils.broadcast_one_to_all(np.frombuffer(text, np.uint8))
-        answer = json.loads(bytes(np.asarray(text)).decode())
-    name, restored, error, message = answer
+    name, restored, error, message = (_gathered(answer) or [answer])[0]  # (process 0's, for all)
     if error:
         raise (RuntimeError if error == "RuntimeError" else ValueError)(message)
     return name, restored, lock
