@@ -22,32 +22,39 @@
                          num_epochs=10, log_name="mnist", hparams={"lr": 1e-3})
 
 You supply (`help(Options)` has every option, `help(fit)` what a run does): a `TrainState` or an
-nnx model with `optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param)`; `(x, y)` arrays with
-`batch_size=` or any iterable of `(inputs, targets)` batches; `loss_fn(outputs, targets)`, the
-model called as `apply_fn({"params", "batch_stats"}, inputs, train=True, mutable=["batch_stats"],
-rngs={"dropout": fold_in(rng, step)})` (another model: `train_step(state, batch[, rng]) ->
-(state, metrics)`); `eval_step(state, batch)`, per-batch means that fit weights by batch size
-(exact over the eval set; `test_ds` may be a dict of named sets, each logged as
-`eval/<name>/<metric>`); hooks `hook(event, run)` that may set `run.stop`, `run.save` (`_Run`).
+nnx model with `optimizer=nnx.Optimizer(model, tx, wrt=nnx.Param)`; a tuple `(x, y)` of arrays
+with `batch_size=` (the global batch: every process passes the same arrays) or any iterable of
+`(inputs, targets)` batches (a list is batches); `loss_fn(outputs, targets)`, the model called as
+`apply_fn({"params", "batch_stats"}, inputs, train=True, mutable=["batch_stats"], rngs={"dropout":
+fold_in(rng, step)})` (another model: `train_step(state, batch[, rng]) -> (state, metrics)`);
+`eval_step(state, batch)`: per-batch means that fit weights by batch size, `Weighted`, arrays of
+counts or metric states, exact over the eval set (`_EvalSums`; `test_ds` may be a dict of named
+sets, each logged as `eval/<name>/<metric>`), and `eval_metrics` computed in Python; hooks
+`hook(event, run)` that may set `run.stop`, `run.save` (`_Run`).
 
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
-that order, each opened by a banner comment, and the guards come after them all. The map:
+that order, each opened by a banner comment; the guards come last, below a banner that names who
+calls them. One training step, from `fit` to the device and back: `fit`'s loop, `_Dispatch`,
+`_train_and_accumulate` (the bookkeeping), `_default_train_step`, `_gradient_step` (the math),
+`_Readings.read` (the sums, one call late). The map, by job:
 
     TrainState, Weighted, lr_schedule  public building blocks; ema, the weights' average
-    Options                            every option, its default, its rules
-    fit                                the story: check, place, build the steps, open the run, loop
+    Options, fit                       every option and its rules; the story of a run
     load_ckpt, evaluate, History       the rest of the public API
     EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
-    _adapt                             the model: linen's call, or nnx's as a TrainState
+    _adapt, _linen_forward             how the model is called: edit the forward here
     _mesh, _place_state, _putter       placement: the mesh, the state's copy, batches
-    _Data, _grouped, _prefetch         batches and their positions; steps_per_jit's groups
-    _StepConfig, _build_steps          every jax.jit, built from what traced code reads, cached
-    _Plan                              every period in steps; the monitor
-    _Progress, _Best, _Checkpoints     what a checkpoint holds; the best; orbax, saves, restores
-    _Run                               what hooks see; calling them
-    _Meter, _Loop                      train metrics and time on the host; the loop's body
+    _Data, _grouped, _prefetch         the data: the order of batches (`_Data.epoch`), positions
+    _gradient_step                     the step's math: change the step here (bf16, grads)
+    _StepConfig, _build_steps          the compiled steps, cached; what traced code reads
+    _step_values, _TrainSums           a per-step quantity (one edit), the train sums' layout
+    _jit_eval, _EvalSums               the eval: an eval step's sums, any shape of metric
+    _Plan, _pick_monitor               every period in steps; the monitor (the best, its mode)
+    _Progress, _Checkpoints            what a checkpoint holds (one field list), saves, restores
+    _Run, _Loop                        what hooks see; the loop's body: log, evals, checkpoint
+    _Dispatch, _Readings, _Clock       the steps' calls; train metrics on the host; time, speed
     guards                             checks before any work, advice on your functions, the
-                                       run's claim and lock, damaged checkpoints, signals
+                                       run's claim and lock, checkpoints that do not fit
 """
 import collections.abc
 import contextlib
@@ -71,6 +78,7 @@ import time
 import traceback
 import types
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 try:
@@ -97,7 +105,7 @@ __all__ = ["TrainState", "Weighted", "lr_schedule", "ema", "Options", "fit", "ev
            "load_ckpt", "History", "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
 
 
-# -- Public building blocks, the options and fit -----------------------------------------------
+# -- Public building blocks, the options and fit ---------------------------------------------------
 
 class TrainState(train_state.TrainState):
     """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the base key (None:
@@ -110,7 +118,8 @@ class TrainState(train_state.TrainState):
     rng: Any = flax.struct.field(default=None, kw_only=True)
 
     @classmethod
-    def create(cls, *, apply_fn, params, tx=None, **kwargs):
+    def create(cls, *, apply_fn: Callable | None, params: Any, tx: Any = None,
+               **kwargs: Any) -> "TrainState":
         if tx is not None:
             return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         return cls(step=0, apply_fn=apply_fn, params=params, tx=None, opt_state=None, **kwargs)
@@ -124,8 +133,9 @@ class Weighted(collections.namedtuple("Weighted", "total weight")):
     __slots__ = ()
 
 
-def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.0, end_value=0.0,
-                *, continue_from=None):
+def lr_schedule(base_lr: float, steps_per_epoch: int, epochs: int, warmup_epochs: float = 0,
+                init_value: float = 0.0, end_value: float = 0.0, *,
+                continue_from: int | None = None) -> optax.Schedule:
     """An optax schedule: linear warmup from `init_value` to `base_lr` over `warmup_epochs` (may be
     fractional), then a cosine decay reaching `end_value` exactly at the last step, `epochs *
     steps_per_epoch - 1` (for arrays, `steps_per_epoch` is `ceil(len(x) / batch_size)`).
@@ -156,7 +166,8 @@ def lr_schedule(base_lr, steps_per_epoch, epochs, warmup_epochs=0, init_value=0.
                                               end_value)
 
 
-def ema(tx, decay=0.999, warmup=True):
+def ema(tx: optax.GradientTransformation, decay: float = 0.999,
+        warmup: bool = True) -> optax.GradientTransformationExtraArgs:
     """`tx`, then an exponential moving average of the parameters it produces (`optax.ema` averages
     the updates): an optax transformation whose state keeps the average (`fit_ema_params`), saved,
     sharded and resumed with the optimizer state. Wrap the whole chain, inside `optax.MultiSteps`
@@ -252,7 +263,7 @@ class Options:
         totals' gradients and their weights are summed, then divided once, so an update is the
         whole batch's, also for a `Weighted` loss over padded tokens (`optax.MultiSteps`, a mean
         of means, is not). BatchNorm sees each microbatch; see docs/reference.md.
-    hooks: functions `hook(event, run)`, called after the built-in ones (see `_Run`).
+    hooks=(): functions `hook(event, run)`, called after the built-in ones (see `_Run`).
     verbose=1: 0: warnings only; 1: a bar and epoch lines; 2: the lines (1 too if TQDM_DISABLE=1).
     peak_tflops: a device's peak TFLOP/s, for `perf/mfu` on a chip not in `_PEAK_TFLOPS`.
     tensorboard=True: False: no event files.
@@ -267,17 +278,17 @@ class Options:
         rows. With `axis_name`, one axis.
     state_sharding: the state's layout: a tree (or a function) of `PartitionSpec`s or shardings.
     axis_name: for pmap-era models: runs the step per device over the data axis, so named."""
-    loss_fn: Any = dataclasses.field(default=None, metadata=_TRACED)
-    eval_step: Any = None
-    eval_metrics: dict | None = None
-    train_step: Any = dataclasses.field(default=None, metadata=_TRACED)
-    optimizer: Any = None
-    nnx_loss_fn: Any = None
+    loss_fn: Callable[[Any, Any], Any] | None = dataclasses.field(default=None, metadata=_TRACED)
+    eval_step: Callable[[Any, Any], Any] | None = None
+    eval_metrics: dict[str, Callable[[Any, Iterable], float]] | None = None
+    train_step: Callable[..., tuple] | None = dataclasses.field(default=None, metadata=_TRACED)
+    optimizer: Any = None  # (an nnx.Optimizer: flax.nnx is not imported unless yours is)
+    nnx_loss_fn: Callable[[Any, Any, Any], Any] | None = None
     num_epochs: int = 1
     max_steps: int | None = None
     steps_per_epoch: int | None = None
     batch_size: int | None = None
-    batch_keys: Any = None
+    batch_keys: tuple[str, str] | None = None
     eval_freq: int = 1
     eval_every: int | None = None
     eval_steps: int | dict | None = None
@@ -293,18 +304,18 @@ class Options:
     resume: bool | str = False
     hparams: dict | None = None
     seed: int = dataclasses.field(default=0, metadata=_TRACED)
-    lr_fn: Any = dataclasses.field(default=None, metadata=_TRACED)
+    lr_fn: Callable[[Any], Any] | None = dataclasses.field(default=None, metadata=_TRACED)
     steps_per_jit: int = 1
     grad_accum: int = dataclasses.field(default=1, metadata=_TRACED)
-    hooks: Any = ()
+    hooks: Sequence[Callable[[str, Any], Any]] = ()
     verbose: int = 1
     peak_tflops: float | None = None
     tensorboard: bool = True
     save_frozen: bool = True
     on_nonfinite: str = "raise"
-    mesh: Any = None
-    batch_axes: tuple = ("data",)
-    state_sharding: Any = None
+    mesh: Mesh | None = None
+    batch_axes: tuple[str, ...] = ("data",)
+    state_sharding: Any = None  # (a tree like the state, or a function of it)
     axis_name: str | None = dataclasses.field(default=None, metadata=_TRACED)
 
     # option: (error, is a value valid?, what it must be); None passes if it is the default
@@ -346,7 +357,7 @@ class Options:
     }
 
     @classmethod
-    def of(cls, kwargs):
+    def of(cls, kwargs: dict) -> "Options":
         names = [f.name for f in dataclasses.fields(cls)]
         for key in (key for key in kwargs if key not in names):
             near = difflib.get_close_matches(key, names, n=1)
@@ -386,7 +397,19 @@ class Options:
         return {**used, **derived, **(self.hparams or {})}
 
 
-def fit(state, train_ds, test_ds=None, **options):
+def _with_options(fn):
+    """`fn` with `Options`' fields as the keyword-only parameters of its signature, with their
+    types and defaults: what help(), IDEs and notebooks show for its `**options`."""
+    sig = inspect.signature(fn)
+    head = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    fn.__signature__ = sig.replace(parameters=head + [inspect.Parameter(
+        f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(Options)])
+    return fn
+
+
+@_with_options
+def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple[Any, "History"]:
     """Trains `state` (a TrainState, or an nnx model with `optimizer=`) on `train_ds`, evaluating on
     `test_ds` (one set, or `{name: set}`); `options`: those of `Options`. Returns `(state,
     history)`: a trained copy of the state (the caller's stays usable), or the nnx model updated in
@@ -400,23 +423,23 @@ def fit(state, train_ds, test_ds=None, **options):
     _check_state(state, opts)
     model = _adapt(state, opts)  # (an nnx model: its variables as a TrainState)
     state, mesh = model.state, _mesh(opts, model.state)
-    train = _Data(train_ds, "train_ds", opts, train=True, mesh=mesh)
-    tests = _eval_sets(test_ds, "test_ds", opts, mesh)  # {name: _Data}; one set's name: None
-    _check_data(train, tests, opts, mesh)
+    train_data = _Data(train_ds, "train_ds", opts, train=True, mesh=mesh)
+    eval_data = _eval_sets(test_ds, "test_ds", opts, mesh)  # {name: _Data}; one set's: None
+    _check_data(train_data, eval_data, opts, mesh)
 
     # 2. Place a private copy of the state on the devices (a frozen base: the caller's, if placed).
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     frozen = _place_frozen(model.frozen, mesh)
 
-    # 3. Build the compiled steps (every jax.jit is in _build_steps), then plan the run.
+    # 3. Build the compiled steps (every step's jax.jit is in _build_steps), then plan the run.
     config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
-    steps = _build_steps(state, train, tests, config, mesh, frozen)
-    plan = _Plan(opts, train, tests, steps, state)
+    steps = _build_steps(state, train_data, eval_data, config, mesh, frozen=frozen)
+    plan = _Plan(opts, train_data, eval_data, steps, state)
     verbose = _verbosity(opts.verbose)
-    _check_plan(opts, train, tests, plan.total)
+    _check_plan(opts, train_data, eval_data, plan.total)
 
     # 4. Open the run: claim it, restore its checkpoint if it goes on, set up the hooks.
-    batching = (train.global_batch, plan.steps_per_epoch)
+    batching = (train_data.global_batch, plan.steps_per_epoch)
     hparams = opts.hparams_used(plan, batching[0], mesh.size)
     builtin = ([ProgressBar(verbose)] if verbose else []) + (
         [TensorBoard(hparams)] if opts.tensorboard and jax.process_index() == 0 else [])
@@ -424,8 +447,7 @@ def fit(state, train_ds, test_ds=None, **options):
     progress = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, start=start,
                          batching=batching, options=_jsonable(hparams))  # (filled from the
     fresh_work = not plan.done(0, start)  # checkpoint if the run goes on; else: claim nothing)
-    ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, claim=fresh_work,
-                         frozen=frozen)
+    ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, fresh_work, frozen)
     state = ckpts.restore(state)  # (from here on, the run is held: closed on any exit)
     step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
     run = _Run(builtin + list(opts.hooks), plan, ckpts, progress)
@@ -433,12 +455,11 @@ def fit(state, train_ds, test_ds=None, **options):
     if plan.done(epoch, step) or run.stopping:  # (run.stopping: a hook's stop, for good)
         _say(verbose, f"fit: run {ckpts.run} already finished at step {step}; nothing to do.")
         ckpts.close()
-        run.history.timing = _Meter(steps, opts, progress.meter, step).timing(step)  # (no work)
+        run.history.timing = _Clock(steps, opts, step).timing(step)  # (no work done)
         return model.finish(run.end(state, step, epoch), ckpts.frozen), run.history
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
-                  f"{step} on {mesh.size} device(s), " + (f"best by {plan.monitor} ({plan.mode})"
-                  if plan.monitor else "no best: no metric whose name tells its mode") + "; "
-                  f"tensorboard --logdir {ckpts.logs}")
+                  f"{step} on {mesh.size} device(s), {plan.best}; tensorboard --logdir "
+                  f"{ckpts.logs}")
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one step late, when the device has finished them.
@@ -446,22 +467,24 @@ def fit(state, train_ds, test_ds=None, **options):
         with _Signals() as signals:
             ckpts.open()
             run.call("train_start", state, step, epoch)
-            meter = run.meter = _Meter(steps, opts, progress.meter, step)  # its clock starts
-            loop = _Loop(run, meter, ckpts, signals, plan=plan, tests=tests, verbose=verbose,
+            clock = run.clock = _Clock(steps, opts, step)  # time and speed: it starts now
+            dispatch = _Dispatch(steps, clock, opts, step)  # the compiled steps' calls
+            loop = _Loop(run, _Readings(dispatch, opts, progress.meter, step), ckpts, signals,
+                         plan=plan, eval_data=eval_data, verbose=verbose,
                          python=_python_metrics(opts.eval_metrics, model.view))
             due = step  # the step from which the loop checks what is due (here: the first)
             while not (run.stopping or plan.done(epoch, step)):
-                batches = _grouped(train.epoch(epoch, *position), opts.steps_per_jit, step,
-                                   opts.max_steps, meter.said)
+                batches = _grouped(train_data.epoch(epoch, *position), opts.steps_per_jit, step,
+                                   opts.max_steps, dispatch.said)
                 for batch, position, k, last in _prefetch(batches, steps.put):
-                    state = meter.dispatch(state, batch, k, epoch=epoch, position=position)
+                    state = dispatch(state, batch, k, epoch=epoch, position=position)
                     step += k
                     stop = signals.reason or ckpts.count_call()  # (several processes: each call)
                     if step < due and not (last or stop):
                         continue  # nothing else to do: the host stays ahead of the device
-                    loop.log(state, step, epoch, due=plan.due("log", step, k))  # (n calls: n-1)
+                    loop.log(state, step, epoch, due=plan.due("log", step, k))  # (read later)
                     if plan.due("eval", step, k):
-                        loop.evaluate(state, step, epoch)
+                        loop.evals(state, step, epoch)
                     run.stopping = run.stopping or stop or signals.reason
                     cut = plan.done(epoch, step) and not (last or run.stopping)  # by max_steps
                     if last or cut:  # the epoch's end comes before the save of its last step
@@ -471,10 +494,10 @@ def fit(state, train_ds, test_ds=None, **options):
                     if run.stopping or plan.done(epoch, step):
                         break
                     if run.save or plan.due("ckpt", step, k):
-                        loop.save(state, step, epoch, position)
-                    due = plan.next_due(step, now=meter.pending or run.stopping or run.save)
-            loop.save(state, step, epoch, position)  # always: at the end and on every stop
-            with meter.timed("finish"):  # the last save's commit: once a run, not steady work
+                        loop.checkpoint(state, step, epoch, position)
+                    due = plan.next_due(step, now=loop.pending() or run.stopping or run.save)
+            loop.checkpoint(state, step, epoch, position)  # always: at the end and on every stop
+            with clock.timed("finish"):  # the last save's commit: once a run, not steady work
                 ckpts.wait()
             state = run.end(state, step, epoch)
             # A signal after the last step is honoured too, now that the checkpoint is committed.
@@ -482,14 +505,15 @@ def fit(state, train_ds, test_ds=None, **options):
     finally:
         ckpts.close()
         run.close()
-    run.history.timing = meter.timing(step)
+    run.history.timing = clock.timing(step)
     signals.honour(run.stopping, late)
     return model.finish(state, ckpts.frozen), run.history
 
 
-# -- The rest of the public API: restoring, evaluating, the history ----------------------------
+# -- The rest of the public API: restoring, evaluating, the history --------------------------------
 
-def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *, ema=False):
+def load_ckpt(state: Any, ckpt_dir: str | os.PathLike, step: int | str | None = None,
+              optimizer: Any = None, weights_only: bool = False, *, ema: bool = False) -> Any:
     """Restores a state saved by `fit` from a run's checkpoint directory (`history.ckpt_dir`) at
     `step`: a number, `"last"`/`None` or `"best"`. `state` gives the structure, shapes and
     shardings, not values; an nnx model (with its `optimizer=`) is restored in place.
@@ -499,15 +523,15 @@ def load_ckpt(state, ckpt_dir, step=None, optimizer=None, weights_only=False, *,
     if _is_nnx(state):
         who = "load_ckpt" if optimizer or not weights_only else "evaluate"  # (no optimizer)
         model = _adapt(state, Options(optimizer=optimizer), who)
-        return model.finish(*_load(model.state, ckpt_dir, step, weights_only, ema, model.frozen))
+        return model.finish(*_load(model.state, ckpt_dir, step, weights_only=weights_only,
+                                   ema=ema, frozen=model.frozen))
     if optimizer is not None:
         raise ValueError("load_ckpt: optimizer= is for nnx models; a TrainState carries its tx.")
-    return _load(state, ckpt_dir, step, weights_only, ema)[0]
+    return _load(state, ckpt_dir, step, weights_only=weights_only, ema=ema)[0]
 
 
-def _load(state, ckpt_dir, step, weights_only, ema, frozen=None):
-    """`load_ckpt`'s restore: `(state, frozen)`, an nnx model's frozen base from a checkpoint that
-    holds it, else the model's own (checked against the one the run saved instead)."""
+def _load(state, ckpt_dir, step, *, weights_only, ema, frozen=None):
+    """`load_ckpt`'s restore: `(state, frozen)`, an nnx model's frozen base (`_restore_all`)."""
     for name, value in (("weights_only", weights_only), ("ema", ema)):
         if not isinstance(value, bool):
             raise TypeError(f"load_ckpt: {name} must be True or False, got {value!r}.")
@@ -536,20 +560,11 @@ def _load(state, ckpt_dir, step, weights_only, ema, frozen=None):
         placed = _place_state(state, 0, _replicated(_default_mesh()))
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
             placed = jax.device_put(placed, sharding)  # keep the caller's placement
-        base = _is_nnx_state(state) and _meta(mgr, step, "load_ckpt").get("base")
-        carved = base and frozen is None  # (nnx weights without the optimizer: all are params)
-        if carved:
-            placed, frozen = _carve(placed, base)
-        whole = frozen is not None and not base  # (the base saved with the state)
-        restored = _restore(mgr, step, _with_base(placed, frozen) if whole else placed,
-                            "load_ckpt", weights_only=weights_only, ema=ema)[0]
+        restored, _, frozen = _restore_all(mgr, step, placed, "load_ckpt", frozen=frozen,
+                                           weights_only=weights_only, ema=ema)
         if weights_only and hasattr(state, "rng"):  # (placing filled a None rng, from seed 0)
             restored = restored.replace(rng=state.rng)
-        if base:
-            _check_base(base, frozen, f"load_ckpt: the checkpoint at step {step} in {ckpt_dir}")
-        if carved:
-            return restored.replace(params=_merge(restored.params, frozen)), None
-        return _split_base(restored, placed, frozen) if whole else (restored, frozen)
+        return restored, frozen
     finally:
         mgr.close()
 
@@ -560,7 +575,8 @@ def _meta(mgr, step, who):
         return mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
-def evaluate(state, ds, eval_step=None, **options):
+def evaluate(state: Any, ds: Any, eval_step: Callable | None = None,
+             **options: Any) -> dict[str, Any]:
     """The metrics of `state` (a TrainState, or an nnx model) over all of `ds`, `{name: value}`
     (a dict of named sets: `{set: {name: value}}`): fit's exact, sharded, weighted eval, e.g.
     `evaluate(state, (x, y), eval_step, batch_size=256)`. `options`: fit's about the data and the
@@ -573,13 +589,14 @@ def evaluate(state, ds, eval_step=None, **options):
     mesh, state = _mesh(opts, model.state), lean(model.state)
     if ds is None:
         raise ValueError("evaluate: ds is None; pass the data (any form of fit's test_ds).")
-    tests = _eval_sets(ds, "ds", opts, mesh)
+    eval_data = _eval_sets(ds, "ds", opts, mesh)
     state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
-    steps = _build_steps(state, None, tests, config, mesh, _place_frozen(model.frozen, mesh))
+    steps = _build_steps(state, None, eval_data, config, mesh,
+                         frozen=_place_frozen(model.frozen, mesh))
     python = _python_metrics(opts.eval_metrics, model.view)
-    out = {name: _evaluate(steps, test, state, name, python=python)
-           for name, test in tests.items()}
+    out = {name: _eval_set(steps, test, state, name, python=python)
+           for name, test in eval_data.items()}
     return out if isinstance(ds, dict) else out[None]
 
 
@@ -587,12 +604,12 @@ class History(dict):
     """`fit`'s history of the whole run, resumes too: lists of `epoch`, `step`, `train/<metric>`
     (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` (and `eval_ema/...`) per eval,
     and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`
-    (`_Meter.timing`: seconds apart from the steady rate, e.g. `compile_s`, `eval_s`, `hooks_s`,
+    (`_Clock.timing`: seconds apart from the steady rate, e.g. `compile_s`, `eval_s`, `hooks_s`,
     `steady_steps_per_s`, the `perf/` speeds, XLA's memory estimate of the step)."""
     run = log_dir = ckpt_dir = timing = None
 
 
-# -- Hooks: hook(event, run); the progress bar and TensorBoard are hooks too -------------------
+# -- Hooks: hook(event, run); the progress bar and TensorBoard are hooks too -----------------------
 
 class EarlyStopping:
     """A hook that stops when fit's `monitor` has not improved by more than `min_delta` for
@@ -601,20 +618,21 @@ class EarlyStopping:
     rises (as in Keras and Lightning). Its stop is final (see fit); its count is checkpointed.
     Another `monitor` than fit's raises: pass it to fit."""
 
-    def __init__(self, patience=3, min_delta=0.0, restore_best=True, monitor=None):
+    def __init__(self, patience: int = 3, min_delta: float = 0.0, restore_best: bool = True,
+                 monitor: str | None = None) -> None:
         if not _positive_int(patience):
             raise ValueError(f"EarlyStopping: patience must be a positive int, got {patience!r}.")
         self.patience, self.min_delta = patience, min_delta
         self.restore_best, self.monitor = restore_best, monitor
         self.best, self.bad = None, 0
 
-    def get_state(self):
+    def get_state(self) -> dict:
         return {"best": self.best, "bad": self.bad}
 
-    def set_state(self, state):
+    def set_state(self, state: dict) -> None:
         self.best, self.bad = state["best"], state["bad"]
 
-    def __call__(self, event, run):
+    def __call__(self, event: str, run: "_Run") -> None:
         if event == "train_start":
             if run.monitor is None:
                 raise ValueError("EarlyStopping: this run has no metric to follow; return one "
@@ -639,10 +657,10 @@ class Profiler:
     """A hook tracing steps `start_step` to `start_step + num_steps`, rounded out to log points,
     into the run's TensorBoard directory (Profile tab: `pip install tensorboard-plugin-profile`)."""
 
-    def __init__(self, start_step=10, num_steps=20):
+    def __init__(self, start_step: int = 10, num_steps: int = 20) -> None:
         self.start_step, self.stop_step, self.running = start_step, start_step + num_steps, False
 
-    def __call__(self, event, run):
+    def __call__(self, event: str, run: "_Run") -> None:
         inside = self.start_step <= run.step < self.stop_step
         if not self.running and inside and event != "train_end":
             jax.profiler.start_trace(run.log_dir)
@@ -657,10 +675,10 @@ class ProgressBar:
     """The built-in progress bar, a hook (process 0 only). `verbose=1`: a bar with the loss, the
     monitor, speed and an ETA without compiles, and a line per epoch; `verbose=2`: the lines."""
 
-    def __init__(self, verbose=1):
+    def __init__(self, verbose: int = 1) -> None:
         self.verbose, self.bar, self.line, self.shown, self.drawn = verbose, None, None, {}, 0.0
 
-    def __call__(self, event, run):
+    def __call__(self, event: str, run: "_Run") -> None:
         if self.line:  # an epoch's line waits for an eval of its step, if one follows
             step, head, metrics = self.line
             self.line = None
@@ -709,14 +727,14 @@ class TensorBoard:
     tables), and the run's hparams for the HParams tab, all in `history.log_dir`. `run.writer` is
     its SummaryWriter."""
 
-    def __init__(self, hparams):
+    def __init__(self, hparams: dict) -> None:
         # TensorBoard takes numbers, strings, booleans: numpy scalars via JSON, the rest as text.
         self.hparams = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                         for k, v in _jsonable(hparams).items()}
         self.writer = None  # a metric's tag, cleaned as tensorboardX's add_scalar does, once:
         self._tag = functools.cache(lambda name: scalar_summary(name, 0.0).value[0].tag)
 
-    def __call__(self, event, run):
+    def __call__(self, event: str, run: "_Run") -> None:
         if event == "train_start":
             purge = run.step + 1 if run.step else 0  # (a resume logs those steps again)
             run.writer = self.writer = SummaryWriter(run.log_dir)
@@ -757,6 +775,12 @@ class TensorBoard:
             run.writer = self.writer = None
 
 
+def _builtin(hook):
+    """Whether a hook is one fit adds itself (a subclass too): its time counts as fit's, and it
+    closes its bar and files after an error."""
+    return isinstance(hook, (ProgressBar, TensorBoard))
+
+
 def _table(array):
     """An array as a markdown table (1-D: one row; 2-D: a row each), else as text."""
     if array.ndim not in (1, 2):
@@ -767,7 +791,7 @@ def _table(array):
     return "\n".join(head + [cells([i, *row]) for i, row in enumerate(rows.tolist())])
 
 
-# -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables --
+# -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables ------
 
 _Model = collections.namedtuple("_Model", "state forward eval_step view finish linen frozen")
 
@@ -818,15 +842,14 @@ def _adapt(model, opts, who="fit"):
         nnx.update(model, state.params, state.batch_stats, *([frozen] if frozen else []))
         if state.tx is not None:
             nnx.update(optimizer.opt_state, nnx.state(state.opt_state))
-            # (set, not assigned into: the model's step may sit on another mesh than fit's)
-            optimizer.step.set_value(state.step.astype(optimizer.step[...].dtype))
+            optimizer.step.set_value(state.step.astype(optimizer.step[...].dtype))  # (any mesh)
         return model
 
     return _Model(state, forward, opts.eval_step and eval_fn, view, finish, False, frozen)
 
 
 def _pure(tree):
-    """nnx States as plain dicts: jit flattens the state every call, an nnx.State twice as slowly."""
+    """nnx States as plain dicts: jit flattens the state each call, an nnx.State twice as slowly."""
     from flax import nnx
     is_state = lambda x: isinstance(x, nnx.State)
     return jax.tree.map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x, nnx.as_pure(tree),
@@ -869,7 +892,7 @@ def _call_nnx_loss(fn, model, batch, rngs):
     return fn(model, batch, rngs)
 
 
-# -- Placement: the mesh, the state's shardings and its private copy, batches on the devices ---
+# -- Placement: the mesh, the state's shardings and its private copy, batches on the devices -------
 
 def _mesh(opts, state):
     """`mesh=`; else the mesh the state's arrays are sharded over (they keep their shardings); else
@@ -915,7 +938,8 @@ def _local_shards(mesh, axes):
 
 @functools.lru_cache(maxsize=None)
 def _slices(mesh, axes):
-    """The slices of a batch's rows (over the batch `axes`, in order) this process's devices hold."""
+    """The slices of a batch's rows (over the batch `axes`, in order) this process's devices
+    hold."""
     at = [mesh.axis_names.index(axis) for axis in axes]
     shape = [mesh.devices.shape[i] for i in at]
     return sorted({int(np.ravel_multi_index([idx[i] for i in at], shape))
@@ -1026,7 +1050,8 @@ def _putter(mesh, axes):
         numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
         return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    shards, shares = _local_shards(mesh, axes), _share(mesh, axes)[1]
+    shards, shares, processes = _local_shards(mesh, axes), _share(mesh, axes)[1], \
+        jax.process_count()
     rows = axes[0] if len(axes) == 1 else axes  # (the rows split over the batch axes)
     split = [NamedSharding(mesh, P(rows)), NamedSharding(mesh, P(None, rows))]
     whole = _replicated(mesh)
@@ -1037,7 +1062,7 @@ def _putter(mesh, axes):
         batch = tuple(batch) if whole_here else batch
         splits = not whole_here and jax.tree.leaves(batch)[0].shape[stacked] % shards == 0
         sharding = split[stacked] if splits else whole
-        if jax.process_count() == 1:
+        if processes == 1:
             return jax.device_put(batch, sharding)
         if not (splits or held):  # every device needs the whole global batch: gather all rows
             batch = jax.tree.map(lambda a: np.concatenate(a, axis=int(stacked)),  # (a host round
@@ -1049,7 +1074,7 @@ def _putter(mesh, axes):
 _replicated = lambda mesh: NamedSharding(mesh, P())
 
 
-# -- Data: batches and their positions for a resume; steps_per_jit's groups; prefetch ----------
+# -- Data: batches and their positions for a resume; steps_per_jit's groups; prefetch --------------
 
 def _eval_sets(ds, who, opts, mesh=None):
     """The eval data as `{name: _Data}`: a dict's named sets, or one set named None; each capped
@@ -1091,7 +1116,7 @@ class _Data:
         self.share = _share(mesh, _batch_axes(opts)) if mesh else (0, 1)
         self.keys = opts.batch_keys  # (custom functions take batches as they come)
         self.custom = (opts.train_step if train else opts.eval_step) or opts.nnx_loss_fn
-        self.steps_per_epoch = opts.steps_per_epoch if train else eval_steps
+        self.cap = opts.steps_per_epoch if train else eval_steps  # (batches an epoch, at most)
         # A tuple (x, y) of two arrays (or anything np.asarray takes that has a shape: torch, tf
         # tensors) is arrays; a list is batches, whatever its length.
         self.arrays = isinstance(ds, tuple) and len(ds) == 2 and all(
@@ -1130,7 +1155,7 @@ class _Data:
         if n != len(self.y) or n == 0:
             raise ValueError(f"fit: {self.name} must be two non-empty arrays with the same "
                              f"number of examples, got {n} inputs and {len(self.y)} targets.")
-        self.length = min(math.ceil(n / batch_size), self.steps_per_epoch or math.inf)
+        self.length = min(math.ceil(n / batch_size), self.cap or math.inf)
         self.sizes = [min(batch_size, n - i * batch_size) for i in range(self.length)]
         self.rows, self.global_batch = (lambda idx: (x[idx], y[idx])), batch_size
         if isinstance(x, jax.Array) or isinstance(y, jax.Array):
@@ -1244,17 +1269,17 @@ class _Data:
             yield from ((self._batch(order, i), (i + 1, None)) for i in range(skip, self.length))
             return
         if self.ready is not None:  # a list: nothing to check again
-            for i in range(skip, min(len(self.ready), self.steps_per_epoch or math.inf)):
+            for i in range(skip, min(len(self.ready), self.cap or math.inf)):
                 yield self.ready[i], (i + 1, None)
             return
         if self.stream:
             # A resumed stream restarts: drop what was consumed (exact if it is deterministic).
-            drop = skip + epoch * (self.steps_per_epoch or 0) if self.fresh else skip
+            drop = skip + epoch * (self.cap or 0) if self.fresh else skip
             self.fresh = False
             pairs = ((raw, None) for raw in itertools.islice(self.ds, drop, None))
         else:
             pairs = self._positioned(epoch, skip, data_state)
-        limit, done = self.steps_per_epoch - skip if self.steps_per_epoch else None, skip
+        limit, done = self.cap - skip if self.cap else None, skip
         for done, (raw, position) in enumerate(itertools.islice(pairs, limit), skip + 1):
             yield self._convert(raw, done - 1), (done, position)
         if done == skip and self.shuffle:  # (train_ds; an empty eval says so itself)
@@ -1353,343 +1378,55 @@ def _prefetch(batches, put, size=2):
         yield *queue.popleft(), not queue
 
 
-# -- Every jax.jit, built from _StepConfig and cached; the train step; device-side sums --------
-
-@dataclasses.dataclass(frozen=True)
-class _StepConfig:
-    """Exactly what traced code reads, and the compile cache's key: steps are built from it and your
-    functions, never from `Options`. An option marked `_TRACED` comes in `options`, read as an
-    attribute (`config.seed`): an option that traced code comes to read needs its mark alone."""
-    forward: Any          # how fit calls the model: _linen_forward (edit it here), nnx's own
-    linen: bool           # a linen model (else nnx): its advice, and whether steps are kept
-    loss_name: str        # "loss_fn" or "nnx_loss_fn", for messages
-    eval_step: Any        # (an nnx model's, adapted)
-    skip: bool            # on_nonfinite="skip"
-    norms_every_step: bool  # the log steps' norms computed at every step, without a lax.cond
-    shards: int           # over how many devices the step's batch rows are split (shard_map: 1)
-    batch_axes: tuple     # the mesh axes they are split over
-    options: tuple        # ((name, value), ...) of the options marked _TRACED
-
-    def __getattr__(self, name):  # (called only for a name that is not a field)
-        for key, value in self.__dict__.get("options", ()):
-            if key == name:
-                return value
-        raise AttributeError(f"_StepConfig has no {name!r}: mark the option _TRACED")
-
-    @classmethod
-    def of(cls, opts, forward, eval_step, mesh, *, linen):
-        shards = 1 if opts.axis_name else math.prod(mesh.shape[a] for a in opts.batch_axes)
-        traced = tuple((f.name, getattr(opts, f.name)) for f in dataclasses.fields(opts)
-                       if f.metadata.get("traced"))
-        loss_name = "nnx_loss_fn" if opts.nnx_loss_fn else "loss_fn"
-        return cls(forward, linen, loss_name, eval_step, opts.on_nonfinite == "skip",
-                   _platform(mesh) in _NO_COND, shards, _batch_axes(opts), traced)
-
-
-# Where the norms are computed at every step, not under a lax.cond (#28): a GPU runtime may block
-# the host on a conditional's predicate. On an H100 (jax 0.11.2) it did not, and the norms at
-# every step cost 2-10% (benchmarks/README.md): kept as the safe side, pending a decision.
-_NO_COND = ("gpu",)
-
-
-def _platform(mesh):
-    return mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
-
-
-_Steps = collections.namedtuple("_Steps", "train train_k eval param_norm acc0 eval0 put frozen "
-                                          "train_sums train_names eval_sums weighted_loss",
-                                defaults=(None,) * 12)  # (built by name)
-
-
-def _build_steps(state, train, tests, config, mesh, frozen=None):
-    """The steps of an earlier call with the same `_StepConfig`, optimizer (in the state's treedef),
-    placement and kinds of batches (a notebook cell run again compiles nothing), else new ones;
-    `train=None`: the eval steps alone (`evaluate`). Each step takes the `frozen` base last."""
-    tests = tests or {}
-    key = (config, mesh, train and _kinds(train.spec),
-           tuple((n, _kinds(t.spec)) for n, t in tests.items()), jax.tree.structure(state),
-           tuple(x.sharding for x in jax.tree.leaves(state)), jax.tree.structure(frozen))
-    reuse = config.linen  # (nnx closures hold the model: never kept)
-    steps = _cached(key, reuse, lambda: _new_steps(state, train, tests, config, mesh, frozen))
-    # Made at each call, not kept with the steps: the sums' zeros (a finished run leaves no
-    # array) and the batches' placement.
-    acc0 = train and jax.device_put(steps.train_sums.zeros(), _replicated(mesh))
-    eval0 = {name: sums.zeros() for name, sums in steps.eval_sums.items()}
-    return steps._replace(acc0=acc0, eval0=jax.device_put(eval0, _replicated(mesh)),
-                          put=_putter(mesh, config.batch_axes), frozen=frozen)
-
-
-_STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
-
-
-def _cached(key, reuse, build):
-    """`build()`, or what it made for an equal `key`, kept among the 8 last used if `reuse`. The key
-    holds your functions, not what they read: a global a loss reads stays as it was at the trace,
-    as in any jax.jit; pass such a value in the state or the batch, or call `_STEPS.clear()`."""
-    try:
-        hash(key)
-    except TypeError:  # (a function or an optimizer that cannot be a key)
-        reuse = False
-    if reuse and key in _STEPS:
-        _STEPS.move_to_end(key)
-        return _STEPS[key]
-    value = build()
-    if reuse:
-        _STEPS[key] = value
-        if len(_STEPS) > 8:  # the least recently used goes
-            _STEPS.popitem(last=False)
-    return value
-
-
-def _new_steps(state, train, tests, config, mesh, frozen=None):
-    """Every jax.jit of the run: the train step (alone, and scanned over `steps_per_jit` stacked
-    batches) and the eval steps, each summing metrics on device. Your step is traced for its metric
-    names before any compile, jitted alone, so the real call reuses that trace (0.1-0.2 s)."""
-    if train is None:  # (evaluate)
-        fns, sums = _eval_steps(_joined(state, frozen), tests, config, mesh)
-        return _Steps(eval=fns, eval_sums=sums)
-    replicated, user_step, seed = _replicated(mesh), config.train_step, config.seed
-    who = "train_step" if user_step else config.loss_name
-    step_fn = user_step or _default_train_step(config)
-    if user_step and _takes_three(user_step):  # train_step(state, batch, rng)
-        step_fn = lambda state, batch: user_step(state, batch, _step_key(state, seed))
-    if config.axis_name:  # the step runs per device; the default step averages over the devices
-        step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(config.axis_name)),
-                                out_specs=(P(), P()), check_vma=False)
-    step_fn = jax.jit(_under(mesh, step_fn))
-    own = user_step or config.loss_name == "nnx_loss_fn"  # (else fit calls the model)
-    step_fn = functools.partial(_step_values, step_fn)
-    metrics = _trace(step_fn, _joined(state, frozen), train.spec, config, not own and "train")[1]
-    traced = _metric_names(metrics, who, "loss")
-    names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
-    norms = [k for k in _NORMS if k in traced or k == "param_norm"]
-    # The lrs a step used, from the state after it: lr_fn(step), or inject_hyperparams' values.
-    lrs = [""] if config.lr_fn is not None else list(_lr_in(state.opt_state))
-    lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn is not None else (
-        lambda s: jnp.stack(list(_lr_in(s.opt_state).values()))) if lrs else None
-    one = functools.partial(_train_and_accumulate, _Train(step_fn, _TrainSums(names, lrs), lr_of,
-                                                          config))
-    placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
-    train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
-    # k steps per call: a scan over a stacked group of k batches (the frozen base outside it).
-    train_k = jax.jit(lambda state, acc, batches, frozen=None: jax.lax.scan(
-        lambda carry, b: (one(*carry, b, frozen), None), (state, acc), batches,
-        unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
-    eval_fns, eval_sums = _eval_steps(_joined(state, frozen), tests, config, mesh)  # (after:
-    # the train step's advice first)
-    param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
-    return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=one.args[0].sums,
-                  train_names=names + norms, eval_sums=eval_sums,
-                  weighted_loss=isinstance(metrics.get("loss"), Weighted))
-
-
-def _unrolled():
-    """Whether steps_per_jit's scan is unrolled: XLA's CPU backend runs a rolled scan of
-    convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster."""
-    return jax.default_backend() == "cpu"
-
-
-def _eval_steps(state, tests, config, mesh):
-    """Each eval set's jitted step and sums' layout, `{set: step}, {set: _EvalSums}`: sets with the
-    same kinds of batches share one step (a batch shape compiles once, whichever set feeds it)."""
-    built = {}
-    for test in tests.values():
-        if _kinds(test.spec) not in built:
-            built[_kinds(test.spec)] = _eval_step(state, test, config, mesh)
-    each = {name: built[_kinds(test.spec)] for name, test in tests.items()}
-    return {n: fn for n, (fn, _) in each.items()}, {n: sums for n, (_, sums) in each.items()}
-
-
-def _eval_step(state, test, config, mesh):
-    """The jitted eval step, `(state, sums, batch) -> (sums, host)` (`_EvalSums.add`), and the
-    layout of its sums."""
-    eval_step, forward, own = config.eval_step, config.forward, config.loss_name == "nnx_loss_fn"
-    if eval_step is None and config.loss_fn is None and not own:
-        raise ValueError("fit: pass eval_step=, or loss_fn= for an eval of the loss, to "
-                         "evaluate on test_ds.")
-
-    def loss_eval(state, batch):  # without an eval_step: loss_fn's, in inference mode
-        key = _step_key(state, config.seed)
-        out, _ = forward(config.loss_fn, state, state.params, batch, key, train=False)
-        loss, metrics = _split_loss(out, config.loss_name)
-        return {"loss": loss, **metrics}
-
-    inner = jax.jit(_under(mesh, eval_step or loss_eval))
-    who = "eval_step" if eval_step else config.loss_name
-    shapes = _trace(inner, state, test.spec, config, not (eval_step or own) and "eval")
-    sums = _EvalSums(_as_dict(shapes, "accuracy"), who)
-    _per_example(inner, state, test.spec, sums.arrays, who)
-
-    def _eval_and_accumulate(state, acc, batch, frozen=None):
-        rows = jax.tree.leaves(batch)[0].shape[0]
-        return sums.add(acc, _as_dict(inner(_joined(state, frozen), batch), "accuracy"), rows)
-
-    return jax.jit(_eval_and_accumulate, out_shardings=_replicated(mesh)), sums
-
-
-class _EvalSums:
-    """An eval step's sums, one layout, made from its outputs' shapes: what the compiled step adds
-    for a batch (`add`) and what the host reads once per eval (`read`). By what `eval_step` returns
-    for a name: a scalar (a per-batch mean, weighted by rows) or a `Weighted` of scalars goes into
-    `sums`, [totals, weights, batches]; an array (counts: a confusion matrix) or a `Weighted` of
-    arrays (divided elementwise) is summed, integers exactly, floats in float32; a metric state
-    (`merge` and `compute`, e.g. `clu.metrics`) is merged in the step if its `merge` traces to its
-    own structure (sums, counts), else on the host (clu's `CollectingMetric`), each batch's copied
-    there one batch late. A state's `compute()` runs once per eval; a dict gives a metric a key.
-    Every batch is counted once: one that does not split over the devices runs whole on each."""
-
-    def __init__(self, shapes, who):
-        kinds = {name: _eval_kind(name, value, who) for name, value in shapes.items()}
-        of = lambda kind: {k: shapes[k] for k in shapes if kinds[k] == kind}
-        self.scalars, self.arrays, self.states = list(of("scalar")), of("array"), of("state")
-        self.host = list(of("host"))
-        # The scalars an eval will give (a state's: its compute()'s keys, where they can be known).
-        self.names = [n for k, v in shapes.items() if kinds[k] != "array" for n in (
-            _computed_names(k, v) if kinds[k] in ("state", "host") else [k])]
-        given = self.names + list(self.arrays)
-        if len(set(given)) < len(given):
-            twice = sorted({n for n in given if given.count(n) > 1})
-            raise ValueError(f"fit: {who} gives the metric names {twice} twice (a metric state's "
-                             f"compute() keys among them); rename one.")
-
-    def zeros(self):
-        zero = lambda s, like=None: np.zeros((like or s).shape, _sum_dtype(s.dtype))
-        arrays = {k: (zero(v.total), zero(v.weight, v.total)) if isinstance(v, Weighted) else
-                  zero(v) for k, v in self.arrays.items()}  # (a Weighted: total, weight)
-        return {"sums": np.zeros(2 * len(self.scalars) + 1, np.float32),  # (+1: the batches)
-                "arrays": arrays, "states": jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
-                                                         self.states)}
-
-    def add(self, acc, metrics, rows):
-        """Traced: `acc` with one batch's `metrics` added, and the states merged on the host."""
-        pairs = _totals_and_weights([metrics[k] for k in self.scalars], rows)
-        first = acc["sums"][-1] == 0  # (a state's first batch is taken as it is: no empty())
-        as_sum = lambda a, m: a + jnp.broadcast_to(m, a.shape).astype(a.dtype)
-        arrays = {k: jax.tree.map(as_sum, a, tuple(metrics[k]) if isinstance(
-            metrics[k], Weighted) else metrics[k]) for k, a in acc["arrays"].items()}
-        states = {k: jax.tree.map(lambda a, new, merged: jnp.where(first, new, merged).astype(
-            a.dtype), a, metrics[k], a.merge(metrics[k])) for k, a in acc["states"].items()}
-        return {"sums": acc["sums"] + jnp.append(pairs.ravel(), 1.0), "arrays": arrays,
-                "states": states}, {k: metrics[k] for k in self.host}
-
-    def read(self, acc, host, where):
-        """`{name: value}` of summed `acc` and merged `host` states (numpy, on the host): floats,
-        and numpy arrays; None if no batch was added."""
-        *sums, batches = acc["sums"].tolist()
-        if not batches:
-            return None
-        n = len(self.scalars)
-        values = {k: _mean(k, total, weight, "eval_step", where)
-                  for k, total, weight in zip(self.scalars, sums[:n], sums[n:])}
-        for k, a in acc["arrays"].items():
-            with np.errstate(invalid="ignore", divide="ignore"):  # (0 / 0: NaN, no weight)
-                values[k] = a[0] / a[1] if isinstance(a, tuple) else a
-        for k, state in {**acc["states"], **host}.items():
-            out = state.compute()
-            for name, value in (out.items() if isinstance(out, dict) else [(k, out)]):
-                if name in values:
-                    raise ValueError(f"fit: the metric {name!r} of eval_step is given twice (by "
-                                     f"{k!r}'s compute() and another); rename one.")
-                value = np.asarray(value)
-                values[name] = float(value) if value.ndim == 0 else value
-        return values
-
-
-def _eval_kind(name, value, who):
-    """What an eval step's output `value` (shapes) is: "scalar", "array", "state" or "host"."""
-    if hasattr(value, "merge") and hasattr(value, "compute"):  # (a metric state)
-        try:
-            merged = jax.eval_shape(lambda a: a.merge(a), value)
-            same = jax.tree.structure(merged) == jax.tree.structure(value) and all(
-                a.shape == b.shape for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(value)))
-        except Exception:  # (clu's CollectingMetric refuses tracers)
-            same = False
-        return "state" if same else "host"
-    parts = list(value) if isinstance(value, Weighted) else [value]
-    for part in parts:
-        if not jnp.issubdtype(getattr(part, "dtype", np.dtype(object)), jnp.number):
-            raise TypeError(f"fit: {who} must return numbers (a per-batch mean, Weighted(total, "
-                            f"weight), an array of counts) or metric states, but {name!r} is "
-                            f"{getattr(part, 'dtype', type(part).__name__)}.")
-    if isinstance(value, Weighted) and not _broadcasts(value.weight.shape, value.total.shape):
-        raise TypeError(f"fit: {who}'s Weighted {name!r} has a total of shape "
-                        f"{value.total.shape} and a weight of shape {value.weight.shape}; the "
-                        f"weight must be a scalar or broadcast to the total's shape.")
-    return "scalar" if parts[0].shape == () else "array"
-
-
-def _broadcasts(shape, to):
-    """Whether an array of `shape` broadcasts to `to`."""
-    try:
-        return np.broadcast_shapes(shape, to) == to
-    except ValueError:
-        return False
-
-
-def _computed_names(name, state):
-    """The names a metric state's `compute()` gives: its dict's keys (a clu `Collection`: its
-    fields, where compute cannot be traced), else `name`."""
-    try:
-        out = jax.eval_shape(lambda s: s.compute(), state)
-    except Exception:  # (it computes with numpy, e.g. an AUC over collected scores)
-        fields = dataclasses.fields(state) if dataclasses.is_dataclass(state) else ()
-        parts = [f.name for f in fields if hasattr(getattr(state, f.name), "compute")]
-        return parts if parts and len(parts) == len(fields) else [name]
-    return list(out) if isinstance(out, dict) else [name]
-
-
-def _sum_dtype(dtype):
-    """The dtype an array metric is summed in: int32 for integers (exact), else float32."""
-    return np.int32 if jnp.issubdtype(dtype, jnp.integer) else np.float32
-
-
-def _under(mesh, fn):
-    """`fn` traced under a mesh of Explicit axes, as your own step under `jax.set_mesh(mesh)`, for a
-    model that names its axes: at trace time, not each call (~30 us). Not for Auto axes, where
-    Flax's partitioning annotations stay no-ops."""
-    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
-        return fn
-
-    def traced(*args):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fn(*args)
-    return traced
-
+# -- The step's math: one gradient step, pure, the function to edit --------------------------------
 
 def _default_train_step(config):
-    """The gradient step of linen and nnx models; with `axis_name`, per device (shard_map),
-    averaging as pmap. A `Weighted` loss descends total / weight; `grad_accum`: `_accumulate`."""
-    axis = config.axis_name
+    """fit's own train step: the step's key (each device its own with `axis_name`, where the step
+    runs per device under shard_map), `_gradient_step`, and the gradients' norm at log steps."""
+    grads_of = _accumulate if config.grad_accum > 1 else _value_and_grad
 
     def train_step(state, batch):
         rng = _step_key(state, config.seed)
-        if axis:  # each device draws its own dropout masks
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        has_stats = hasattr(state, "batch_stats")
-
-        def loss_of(params, stats, batch, rng):  # -> (the loss to differentiate, aux)
-            here = state.replace(batch_stats=stats) if has_stats else state
-            out, stats = config.forward(config.loss_fn, here, params, batch, rng, train=True)
-            loss, metrics = _split_loss(out, config.loss_name)
-            return loss.total if isinstance(loss, Weighted) else loss, (loss, metrics, stats)
-
-        stats = getattr(state, "batch_stats", {})
-        if config.grad_accum > 1:
-            grads, loss, metrics, stats = _accumulate(loss_of, state.params, stats, batch, rng,
-                                                      config=config)
-        else:
-            (_, (loss, metrics, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-                state.params, stats, batch, rng)
-            if axis:  # (a Weighted's total and weight alike: their ratio stays)
-                grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
-            if isinstance(loss, Weighted):
-                grads = jax.tree.map(lambda g: g / loss.weight, grads)
-                if axis:  # logged as all devices' total and weight (tokens/s), not their mean
-                    loss = Weighted(*(x * jax.lax.psum(1, axis) for x in loss))
-        grad_norm = _log_norm(state, config, grads)  # (before the update: its step decides)
-        state = state.apply_gradients(grads=grads, **({"batch_stats": stats} if has_stats else {}))
-        return state, {"loss": loss, **metrics, "grad_norm": grad_norm}
+        if config.axis_name:  # each device draws its own dropout masks
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(config.axis_name))
+        new_state, metrics, grads = _gradient_step(state, batch, rng, config, grads_of)
+        return new_state, {**metrics, "grad_norm": _log_norm(state, config, grads)}
     return train_step
+
+
+def _gradient_step(state, batch, rng, config, grads_of):
+    """One gradient step, the math alone, pure (edit it here: bf16 compute, a gradient transform):
+    the model's forward and loss (`config.forward`: linen's `apply_fn`, or an nnx model's call),
+    their gradients by `grads_of` (`_value_and_grad`, or `_accumulate`'s scan of microbatches),
+    the optimizer's update. Returns `(state, metrics, grads)`; fit's bookkeeping (the sums,
+    non-finite steps, the lr, the norms) is around it, in `_train_and_accumulate`."""
+    has_stats = hasattr(state, "batch_stats")
+
+    def loss_of(params, stats, batch, rng):  # -> (the loss to differentiate, aux)
+        here = state.replace(batch_stats=stats) if has_stats else state
+        out, stats = config.forward(config.loss_fn, here, params, batch, rng, train=True)
+        loss, metrics = _split_loss(out, config.loss_name)
+        return loss.total if isinstance(loss, Weighted) else loss, (loss, metrics, stats)
+
+    grads, loss, metrics, stats = grads_of(loss_of, state.params, getattr(
+        state, "batch_stats", {}), batch, rng, config=config)
+    state = state.apply_gradients(grads=grads, **({"batch_stats": stats} if has_stats else {}))
+    return state, {"loss": loss, **metrics}, grads
+
+
+def _value_and_grad(loss_of, params, stats, batch, rng, *, config):
+    """`(grads, loss, metrics, stats)` of a batch in one pass: with `axis_name`, averaged over the
+    devices (as pmap); a `Weighted` loss's gradient is its total's over its weight."""
+    axis = config.axis_name
+    (_, (loss, metrics, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+        params, stats, batch, rng)
+    if axis:  # (a Weighted's total and weight alike: their ratio stays)
+        grads, loss, metrics = jax.lax.pmean((grads, loss, metrics), axis)
+    if isinstance(loss, Weighted):
+        grads = jax.tree.map(lambda g: g / loss.weight, grads)
+        if axis:  # logged as all devices' total and weight (tokens/s), not their mean
+            loss = Weighted(*(x * jax.lax.psum(1, axis) for x in loss))
+    return grads, loss, metrics, stats
 
 
 def _accumulate(loss_of, params, stats, batch, rng, *, config):
@@ -1741,14 +1478,6 @@ def _step_key(state, seed):
     return jax.random.fold_in(rng if _is_key(rng) else jax.random.wrap_key_data(rng), state.step)
 
 
-def _takes_three(fn):
-    try:
-        inspect.signature(fn).bind(None, None, None)
-        return True
-    except (TypeError, ValueError):  # (ValueError: a signature Python cannot read)
-        return False
-
-
 def _split_loss(out, who):
     """`(loss, metrics)` of a loss, or of a loss and a dict of metrics; an aux that is an array of
     logits (the NNX tutorial's loss_fn returns them) is left out."""
@@ -1782,11 +1511,172 @@ def _split_loss(out, who):
     return loss, {}
 
 
+def _takes_three(fn):
+    try:
+        inspect.signature(fn).bind(None, None, None)
+        return True
+    except (TypeError, ValueError):  # (ValueError: a signature Python cannot read)
+        return False
+
+
 def _as_dict(metrics, default):
     return metrics if isinstance(metrics, dict) else {default: metrics}
 
 
-_Train = collections.namedtuple("_Train", "step_fn sums lr_of config")  # one train step's parts
+# -- The compiled steps, built from _StepConfig and cached; the train step's bookkeeping -----------
+
+@dataclasses.dataclass(frozen=True)
+class _StepConfig:
+    """Exactly what traced code reads, and the compile cache's key: steps are built from it and your
+    functions, never from `Options`. An option marked `_TRACED` comes in `options`, read as an
+    attribute (`config.seed`): an option that traced code comes to read needs its mark alone."""
+    forward: Any          # how fit calls the model: _linen_forward (edit it here), nnx's own
+    linen: bool           # a linen model (else nnx): its advice, and whether steps are kept
+    loss_name: str        # "loss_fn" or "nnx_loss_fn", for messages
+    eval_step: Any        # (an nnx model's, adapted)
+    skip: bool            # on_nonfinite="skip"
+    norms_every_step: bool  # the log steps' norms computed at every step, without a lax.cond
+    shards: int           # over how many devices the step's batch rows are split (shard_map: 1)
+    batch_axes: tuple     # the mesh axes they are split over
+    options: tuple        # ((name, value), ...) of the options marked _TRACED
+
+    def __getattr__(self, name):  # (called only for a name that is not a field)
+        for key, value in self.__dict__.get("options", ()):
+            if key == name:
+                return value
+        raise AttributeError(f"_StepConfig has no {name!r}: mark the option _TRACED")
+
+    @classmethod
+    def of(cls, opts, forward, eval_step, mesh, *, linen):
+        shards = 1 if opts.axis_name else math.prod(mesh.shape[a] for a in opts.batch_axes)
+        traced = tuple((f.name, getattr(opts, f.name)) for f in dataclasses.fields(opts)
+                       if f.metadata.get("traced"))
+        loss_name = "nnx_loss_fn" if opts.nnx_loss_fn else "loss_fn"
+        return cls(forward, linen, loss_name, eval_step, opts.on_nonfinite == "skip",
+                   _platform(mesh) in _NO_COND, shards, _batch_axes(opts), traced)
+
+
+# Where the norms are computed at every step, not under a lax.cond (#28): a GPU runtime may block
+# the host on a conditional's predicate. On an H100 (jax 0.11.2) it did not, and the norms at
+# every step cost 2-10% (benchmarks/README.md): kept as the safe side, pending a decision.
+_NO_COND = ("gpu",)
+
+
+def _platform(mesh):
+    return mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu"
+
+
+_Steps = collections.namedtuple("_Steps", "train train_k evals param_norm acc0 eval0 put frozen "
+                                          "train_sums train_names eval_sums weighted_loss")
+_Steps.__new__.__defaults__ = (None,) * len(_Steps._fields)  # (built by name, each None at first)
+
+
+def _build_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
+    """The steps of an earlier call with the same `_StepConfig`, optimizer (in the state's treedef),
+    placement and kinds of batches (a notebook cell run again compiles nothing), else new ones;
+    `train=None`: the eval steps alone (`evaluate`). Each step takes the `frozen` base last."""
+    eval_data = eval_data or {}
+    key = (config, mesh, train_data and _kinds(train_data.spec),
+           tuple((n, _kinds(t.spec)) for n, t in eval_data.items()), jax.tree.structure(state),
+           tuple(x.sharding for x in jax.tree.leaves(state)), jax.tree.structure(frozen))
+    reuse = config.linen  # (nnx closures hold the model: never kept)
+    steps = _cached(key, reuse, lambda: _new_steps(state, train_data, eval_data, config, mesh,
+                                                   frozen=frozen))
+    # Made at each call, not kept with the steps: the sums' zeros (a finished run leaves no
+    # array) and the batches' placement.
+    acc0 = train_data and jax.device_put(steps.train_sums.zeros(), _replicated(mesh))
+    eval0 = {name: sums.zeros() for name, sums in steps.eval_sums.items()}
+    return steps._replace(acc0=acc0, eval0=jax.device_put(eval0, _replicated(mesh)),
+                          put=_putter(mesh, config.batch_axes), frozen=frozen)
+
+
+_STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
+
+
+def _cached(key, reuse, build):
+    """`build()`, or what it made for an equal `key`, kept among the 8 last used if `reuse`. The key
+    holds your functions, not what they read: a global a loss reads stays as it was at the trace,
+    as in any jax.jit; pass such a value in the state or the batch, or call `_STEPS.clear()`."""
+    try:
+        hash(key)
+    except TypeError:  # (a function or an optimizer that cannot be a key)
+        reuse = False
+    if reuse and key in _STEPS:
+        _STEPS.move_to_end(key)
+        return _STEPS[key]
+    value = build()
+    if reuse:
+        _STEPS[key] = value
+        if len(_STEPS) > 8:  # the least recently used goes
+            _STEPS.popitem(last=False)
+    return value
+
+
+def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
+    """Every compiled step of the run: the train step (alone, and scanned over `steps_per_jit`
+    stacked batches) and the eval steps (`_jit_eval`), each summing metrics on device. (Three small
+    jits live elsewhere: `_take`'s rows of device arrays, `_fingerprint`, `_check_schedule`'s.)
+    Your step is traced for its metric names before any compile, jitted alone, so the real call
+    reuses that trace (0.1-0.2 s)."""
+    if train_data is None:  # (evaluate)
+        fns, sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)
+        return _Steps(evals=fns, eval_sums=sums)
+    replicated, user_step, seed = _replicated(mesh), config.train_step, config.seed
+    who = "train_step" if user_step else config.loss_name
+    step_fn = user_step or _default_train_step(config)
+    if user_step and _takes_three(user_step):  # train_step(state, batch, rng)
+        step_fn = lambda state, batch: user_step(state, batch, _step_key(state, seed))
+    if config.axis_name:  # the step runs per device; the default step averages over the devices
+        step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(config.axis_name)),
+                                out_specs=(P(), P()), check_vma=False)
+    step_fn = jax.jit(_under(mesh, step_fn))
+    own = user_step or config.loss_name == "nnx_loss_fn"  # (else fit calls the model)
+    step_fn = functools.partial(_step_values, step_fn)
+    metrics = _trace(step_fn, _joined(state, frozen), train_data.spec, config,
+                     not own and "train")[1]
+    traced = _metric_names(metrics, who, "loss")
+    names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
+    norms = [k for k in _NORMS if k in traced or k == "param_norm"]
+    # The lrs a step used, from the state after it: lr_fn(step), or inject_hyperparams' values.
+    lrs = [""] if config.lr_fn is not None else list(_lr_in(state.opt_state))
+    lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn is not None else (
+        lambda s: jnp.stack(list(_lr_in(s.opt_state).values()))) if lrs else None
+    one = functools.partial(_train_and_accumulate, _StepParts(step_fn, _TrainSums(names, lrs),
+                                                              lr_of, config))
+    placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
+    train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
+    # k steps per call: a scan over a stacked group of k batches (the frozen base outside it).
+    train_k = jax.jit(lambda state, acc, batches, frozen=None: jax.lax.scan(
+        lambda carry, b: (one(*carry, b, frozen), None), (state, acc), batches,
+        unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
+    eval_fns, eval_sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)  # (after:
+    # the train step's advice first)
+    param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
+    return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=one.args[0].sums,
+                  train_names=names + norms, eval_sums=eval_sums,
+                  weighted_loss=isinstance(metrics.get("loss"), Weighted))
+
+
+def _unrolled():
+    """Whether steps_per_jit's scan is unrolled: XLA's CPU backend runs a rolled scan of
+    convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster."""
+    return jax.default_backend() == "cpu"
+
+
+def _under(mesh, fn):
+    """`fn` traced under a mesh of Explicit axes, as your own step under `jax.set_mesh(mesh)`, for a
+    model that names its axes: at trace time, not each call (~30 us). Not for Auto axes, where
+    Flax's partitioning annotations stay no-ops."""
+    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return fn
+
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+    return traced
+
+
+_StepParts = collections.namedtuple("_StepParts", "step_fn sums lr_of config")  # (of one step)
 
 
 def _step_values(step_fn, state, batch):
@@ -1797,17 +1687,17 @@ def _step_values(step_fn, state, batch):
     return new_state, _as_dict(metrics, "loss")
 
 
-def _train_and_accumulate(train, state, acc, batch, frozen=None):
+def _train_and_accumulate(parts, state, acc, batch, frozen=None):
     """One train step plus the on-device bookkeeping: the sums (`_TrainSums`), non-finite steps
     (dropped with `on_nonfinite="skip"`), the lr, a log step's norms. `frozen`: an nnx model's
     frozen base, passed beside the state, neither donated nor returned."""
-    config, skip, state = train.config, train.config.skip, _joined(state, frozen)
-    new_state, metrics = train.step_fn(state, batch)
+    config, skip, state = parts.config, parts.config.skip, _joined(state, frozen)
+    new_state, metrics = parts.step_fn(state, batch)
     _warn_dtypes(new_state, state)
     # "skip" checks the whole state every step, to drop an update that makes it non-finite.
     norm = _param_norm(new_state) if skip else _log_norm(state, config, new_state.params)
     norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)], jnp.float32)
-    values = _totals_and_weights([metrics[k] for k in train.sums.names], 1)
+    values = _totals_and_weights([metrics[k] for k in parts.sums.names], 1)
     finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
     if skip:  # keep the old state on device, no host round trip; the step counts on
         new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
@@ -1815,8 +1705,8 @@ def _train_and_accumulate(train, state, acc, batch, frozen=None):
         values = jnp.where(finite, values, 0.0)  # (its weights too)
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
-    lr = None if train.lr_of is None else train.lr_of(new_state)
-    return _parted(new_state, frozen), train.sums.add(acc, values, norms, lr, finite=finite,
+    lr = None if parts.lr_of is None else parts.lr_of(new_state)
+    return _parted(new_state, frozen), parts.sums.add(acc, values, norms, lr, finite=finite,
                                                       kept=finite | (not skip),
                                                       at_log=_at_log(state, config),
                                                       step=state.step)
@@ -1898,25 +1788,173 @@ def _totals_and_weights(metrics, rows):
     return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
 
 
-# -- The plan: every period converted to steps once; the monitor and its mode ------------------
+# -- The eval steps: each set's metrics summed on device, in one layout (_EvalSums) ----------------
+
+def _jit_evals(state, eval_data, config, mesh):
+    """Each eval set's jitted step and sums' layout, `{set: step}, {set: _EvalSums}`: sets with the
+    same kinds of batches share one step (a batch shape compiles once, whichever set feeds it)."""
+    built = {}
+    for test in eval_data.values():
+        if _kinds(test.spec) not in built:
+            built[_kinds(test.spec)] = _jit_eval(state, test, config, mesh)
+    each = {name: built[_kinds(test.spec)] for name, test in eval_data.items()}
+    return {n: fn for n, (fn, _) in each.items()}, {n: sums for n, (_, sums) in each.items()}
+
+
+def _jit_eval(state, test, config, mesh):
+    """The jitted eval step, `(state, sums, batch) -> (sums, host)` (`_EvalSums.add`), and the
+    layout of its sums."""
+    eval_step, forward, own = config.eval_step, config.forward, config.loss_name == "nnx_loss_fn"
+    if eval_step is None and config.loss_fn is None and not own:
+        raise ValueError("fit: pass eval_step=, or loss_fn= for an eval of the loss, to "
+                         "evaluate on test_ds.")
+
+    def loss_eval(state, batch):  # without an eval_step: loss_fn's, in inference mode
+        key = _step_key(state, config.seed)
+        out, _ = forward(config.loss_fn, state, state.params, batch, key, train=False)
+        loss, metrics = _split_loss(out, config.loss_name)
+        return {"loss": loss, **metrics}
+
+    inner = jax.jit(_under(mesh, eval_step or loss_eval))
+    who = "eval_step" if eval_step else config.loss_name
+    shapes = _trace(inner, state, test.spec, config, not (eval_step or own) and "eval")
+    sums = _EvalSums(_as_dict(shapes, "accuracy"), who)
+    _per_example(inner, state, test.spec, sums.arrays, who)
+
+    def _eval_and_accumulate(state, acc, batch, frozen=None):
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        return sums.add(acc, _as_dict(inner(_joined(state, frozen), batch), "accuracy"), rows)
+
+    return jax.jit(_eval_and_accumulate, out_shardings=_replicated(mesh)), sums
+
+
+class _EvalSums:
+    """An eval step's sums, one layout, made from its outputs' shapes: what the compiled step adds
+    for a batch (`add`) and what the host reads once per eval (`read`). By what `eval_step` returns
+    for a name: a scalar (a per-batch mean, weighted by rows) or a `Weighted` of scalars goes into
+    `sums`, [totals, weights, batches]; an array (counts: a confusion matrix) or a `Weighted` of
+    arrays (divided elementwise) is summed, integers exactly, floats in float32; a metric state
+    (`merge` and `compute`, e.g. `clu.metrics`) is merged in the step if its `merge` traces to its
+    own structure (sums, counts), else on the host (clu's `CollectingMetric`), each batch's copied
+    there one batch late. A state's `compute()` runs once per eval; a dict gives a metric a key.
+    Every batch is counted once: one that does not split over the devices runs whole on each."""
+
+    def __init__(self, shapes, who):
+        kinds = {name: _eval_kind(name, value, who) for name, value in shapes.items()}
+        of = lambda kind: {k: shapes[k] for k in shapes if kinds[k] == kind}
+        self.scalars, self.arrays, self.states = list(of("scalar")), of("array"), of("state")
+        self.host = list(of("host"))
+        # The scalars an eval will give (a state's: its compute()'s keys, where they can be known).
+        self.names = [n for k, v in shapes.items() if kinds[k] != "array" for n in (
+            _computed_names(k, v) if kinds[k] in ("state", "host") else [k])]
+        given = self.names + list(self.arrays)
+        if len(set(given)) < len(given):
+            twice = sorted({n for n in given if given.count(n) > 1})
+            raise ValueError(f"fit: {who} gives the metric names {twice} twice (a metric state's "
+                             f"compute() keys among them); rename one.")
+
+    def zeros(self):
+        # (arrays summed in int32 if integers, exactly, else float32)
+        zero = lambda s, like=None: np.zeros((like or s).shape, np.int32 if jnp.issubdtype(
+            s.dtype, jnp.integer) else np.float32)
+        arrays = {k: (zero(v.total), zero(v.weight, v.total)) if isinstance(v, Weighted) else
+                  zero(v) for k, v in self.arrays.items()}  # (a Weighted: total, weight)
+        return {"sums": np.zeros(2 * len(self.scalars) + 1, np.float32),  # (+1: the batches)
+                "arrays": arrays, "states": jax.tree.map(lambda s: np.zeros(s.shape, s.dtype),
+                                                         self.states)}
+
+    def add(self, acc, metrics, rows):
+        """Traced: `acc` with one batch's `metrics` added, and the states merged on the host."""
+        pairs = _totals_and_weights([metrics[k] for k in self.scalars], rows)
+        first = acc["sums"][-1] == 0  # (a state's first batch is taken as it is: no empty())
+        as_sum = lambda a, m: a + jnp.broadcast_to(m, a.shape).astype(a.dtype)
+        arrays = {k: jax.tree.map(as_sum, a, tuple(metrics[k]) if isinstance(
+            metrics[k], Weighted) else metrics[k]) for k, a in acc["arrays"].items()}
+        states = {k: jax.tree.map(lambda a, new, merged: jnp.where(first, new, merged).astype(
+            a.dtype), a, metrics[k], a.merge(metrics[k])) for k, a in acc["states"].items()}
+        return {"sums": acc["sums"] + jnp.append(pairs.ravel(), 1.0), "arrays": arrays,
+                "states": states}, {k: metrics[k] for k in self.host}
+
+    def read(self, acc, host, where):
+        """`{name: value}` of summed `acc` and merged `host` states (numpy, on the host): floats,
+        and numpy arrays; None if no batch was added."""
+        *sums, batches = acc["sums"].tolist()
+        if not batches:
+            return None
+        n = len(self.scalars)
+        values = {k: _mean(k, total, weight, "eval_step", where)
+                  for k, total, weight in zip(self.scalars, sums[:n], sums[n:])}
+        for k, a in acc["arrays"].items():
+            with np.errstate(invalid="ignore", divide="ignore"):  # (0 / 0: NaN, no weight)
+                values[k] = a[0] / a[1] if isinstance(a, tuple) else a
+        for k, state in {**acc["states"], **host}.items():
+            out = state.compute()
+            for name, value in (out.items() if isinstance(out, dict) else [(k, out)]):
+                if name in values:
+                    raise ValueError(f"fit: the metric {name!r} of eval_step is given twice (by "
+                                     f"{k!r}'s compute() and another); rename one.")
+                value = np.asarray(value)
+                values[name] = float(value) if value.ndim == 0 else value
+        return values
+
+
+def _eval_kind(name, value, who):
+    """What an eval step's output `value` (shapes) is: "scalar", "array", "state" or "host"."""
+    if hasattr(value, "merge") and hasattr(value, "compute"):  # (a metric state)
+        try:
+            merged = jax.eval_shape(lambda a: a.merge(a), value)
+            same = jax.tree.structure(merged) == jax.tree.structure(value) and all(
+                a.shape == b.shape for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(value)))
+        except Exception:  # (clu's CollectingMetric refuses tracers)
+            same = False
+        return "state" if same else "host"
+    parts = list(value) if isinstance(value, Weighted) else [value]
+    for part in parts:
+        if not jnp.issubdtype(getattr(part, "dtype", np.dtype(object)), jnp.number):
+            raise TypeError(f"fit: {who} must return numbers (a per-batch mean, Weighted(total, "
+                            f"weight), an array of counts) or metric states, but {name!r} is "
+                            f"{getattr(part, 'dtype', type(part).__name__)}.")
+    w, t = (value.weight.shape, value.total.shape) if isinstance(value, Weighted) else ((), ())
+    if len(w) > len(t) or any(a not in (1, b) for a, b in zip(w[::-1], t[::-1])):  # (broadcasts?)
+        raise TypeError(f"fit: {who}'s Weighted {name!r} has a total of shape "
+                        f"{value.total.shape} and a weight of shape {value.weight.shape}; the "
+                        f"weight must be a scalar or broadcast to the total's shape.")
+    return "scalar" if parts[0].shape == () else "array"
+
+
+def _computed_names(name, state):
+    """The names a metric state's `compute()` gives: its dict's keys (a clu `Collection`: its
+    fields, where compute cannot be traced), else `name`."""
+    try:
+        out = jax.eval_shape(lambda s: s.compute(), state)
+    except Exception:  # (it computes with numpy, e.g. an AUC over collected scores)
+        fields = dataclasses.fields(state) if dataclasses.is_dataclass(state) else ()
+        parts = [f.name for f in fields if hasattr(getattr(state, f.name), "compute")]
+        return parts if parts and len(parts) == len(fields) else [name]
+    return list(out) if isinstance(out, dict) else [name]
+
+
+# -- The plan: every period converted to steps once; the monitor and its mode ----------------------
 
 class _Plan:
     """Every period converted to steps once, and what is due when; the monitor and its mode."""
 
-    def __init__(self, opts, train, tests, steps, state):
+    def __init__(self, opts, train_data, eval_data, steps, state):
         self.num_epochs, self.max_steps = opts.num_epochs, opts.max_steps
-        self.steps_per_epoch = opts.steps_per_epoch or train.length
+        self.steps_per_epoch = opts.steps_per_epoch or train_data.length
         planned = self.steps_per_epoch and self.steps_per_epoch * opts.num_epochs
         self.total = min([n for n in (planned, opts.max_steps) if n], default=None)
         self.every = {"log": opts.log_every, "ckpt": opts.ckpt_every,
-                      "eval": opts.eval_every if tests else None}
-        self.eval_freq, self.has_test = opts.eval_freq, bool(tests)
+                      "eval": opts.eval_every if eval_data else None}
+        self.eval_freq, self.has_test = opts.eval_freq, bool(eval_data)
         averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's)
-        self.ema = averaged and opts.ema_eval and bool(tests)  # evals of the average too
+        self.ema = averaged and opts.ema_eval and bool(eval_data)  # evals of the average too
         python = list(opts.eval_metrics or {})  # (computed in Python: _python_metrics)
         eval_names = {name: sums.names + python for name, sums in steps.eval_sums.items()}
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, steps.train_names,
                                                 eval_names, self.ema)
+        self.best = f"best by {self.monitor} ({self.mode})" if self.monitor else \
+            "no best: no metric whose name tells its mode"  # (said at the start)
 
     def end(self, start):
         """The run's last step, from `start`, the state's step when it began (None: unknown)."""
@@ -1990,7 +2028,7 @@ def _is_eval(monitor):
     return bool(monitor) and monitor.split("/")[0] in ("eval", "eval_ema")
 
 
-# -- The run: what a checkpoint holds, the best, the checkpoints, what hooks see ---------------
+# -- The run: what a checkpoint holds, the best, the checkpoints, what hooks see -------------------
 
 @dataclasses.dataclass
 class _Progress:
@@ -1999,7 +2037,7 @@ class _Progress:
     epoch: int = 0
     position: Any = (0, None)  # batches done in the epoch, the data iterator's state after them
     positions: Any = None      # each process's position (several processes), by process index
-    meter: Any = None          # the train metrics' sums (_Meter.sums)
+    meter: Any = None          # the train metrics' sums (_Readings.sums)
     history: Any = dataclasses.field(default_factory=lambda: {"epoch": [], "step": []})
     best: Any = None           # the best monitored value, its step, the kept best values
     best_step: Any = None
@@ -2013,6 +2051,9 @@ class _Progress:
     base: Any = None           # an nnx frozen base's fingerprint, if not saved (save_frozen)
     options: Any = None        # the HParams of the call that wrote it (a resume says changes)
     changed = {}  # (not saved: {option: (before, now)} of a resumed call)
+    # Fields a call sets (a resume keeps them, the checkpoint's checked), and a run's first call;
+    # every other field moves during a run: each save writes them all (`saving`).
+    CALL, RUN = ("target", "seed", "batching", "options", "base"), ("start",)
 
     @classmethod
     def read(cls, meta):
@@ -2046,8 +2087,7 @@ class _Progress:
         """This call's progress from a checkpoint's (`saved`), keeping this call's
         target, seed, batching and options; a hook's stop holds only if the run goes no further
         than that one did. Options that differ from the saved call's are recorded."""
-        keep = {"target", "seed", "batching", "options", "base"}
-        for name in {f.name for f in dataclasses.fields(self)} - keep:
+        for name in {f.name for f in dataclasses.fields(self)} - set(self.CALL):
             setattr(self, name, getattr(saved, name))
         if saved.positions and len(saved.positions) == jax.process_count():  # (each its own)
             self.position = saved.positions[jax.process_index()]
@@ -2055,6 +2095,14 @@ class _Progress:
         before, now = saved.options or {}, self.options or {}
         self.changed = {k: (before.get(k), now.get(k)) for k in sorted({*before, *now})
                         if before and before.get(k) != now.get(k)}
+
+    def saving(self, **moving):
+        """At a save: every field that moves during a run, each one given (one left out would be
+        saved stale, with the value of the first call)."""
+        fields = {f.name for f in dataclasses.fields(self)} - {*self.CALL, *self.RUN}
+        if moving.keys() != fields:
+            raise TypeError(f"_Progress.saving: got {sorted(moving)}, not {sorted(fields)}.")
+        vars(self).update(moving)
 
     def final(self, num_epochs, max_steps):
         """Whether a hook ended the run for good: it goes on only if asked to go further."""
@@ -2150,17 +2198,8 @@ class _Checkpoints:
         self.open()
         self.saved = self.good = self.mgr.latest_step()
         try:
-            base = self.frozen is not None and _meta(self.mgr, self.saved, "fit").get("base")
-            whole = self.frozen is not None and not base
-            restored, meta = _restore(self.mgr, self.saved, _with_base(state, self.frozen)
-                                      if whole else state, "fit")
-            if whole:
-                restored, base = _split_base(restored, state, self.frozen)
-                if _fingerprint(base) != _fingerprint(self.frozen):
-                    self.frozen = base
-            elif base:
-                _check_base(base, self.frozen, f"fit: run {self.run}'s checkpoint")
-            state = restored
+            state, meta, self.frozen = _restore_all(self.mgr, self.saved, state, "fit",
+                                                    frozen=self.frozen)
             saved = _Progress.read(meta)
             saved.check(self.run, self.progress.seed, self.progress.batching)
             self.progress.go_on(saved)
@@ -2192,7 +2231,7 @@ class _Checkpoints:
         if self.mgr.reached_preemption(self.calls):
             return "preemption"
 
-    def save(self, step, state, value):
+    def write(self, step, state, value):
         self.wait()  # the previous save commits first (orbax would wait here too)
         with self._failure(step):
             whole = _with_base(state, self.frozen) if self.save_frozen else state
@@ -2257,6 +2296,27 @@ def _open(ckpt_dir, options):
     return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
 
 
+def _restore_all(mgr, step, state, who, *, frozen=None, **kwargs):
+    """`(state, meta, frozen)` of `step` (`kwargs`: `_restore`'s): an nnx model's frozen base from
+    the checkpoint that holds it (`frozen`, the one held, where they are equal), else checked
+    against the fingerprint a run saved instead (`save_frozen=False`)."""
+    base = _is_nnx_state(state) and _meta(mgr, step, who).get("base")
+    carved = base and frozen is None  # (nnx weights without the optimizer: all are params)
+    if carved:
+        state, frozen = _carve(state, base)
+    if base:
+        _check_base(base, frozen, f"{who}: the checkpoint at step {step} in {mgr.directory}")
+    whole = frozen is not None and not base  # (the base saved with the state)
+    restored, meta = _restore(mgr, step, _with_base(state, frozen) if whole else state, who,
+                              **kwargs)
+    if carved:
+        return restored.replace(params=_merge(restored.params, frozen)), meta, None
+    if whole:
+        restored, saved = _split_base(restored, state, frozen)
+        frozen = frozen if _fingerprint(saved) == _fingerprint(frozen) else saved
+    return restored, meta, frozen
+
+
 def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
     """`(state, meta)` of `step`, into `state`'s structure, shapes, shardings (`weights_only`: its
     `params` and `batch_stats`, into a state with any optimizer; `ema`: the average as params)."""
@@ -2295,7 +2355,8 @@ def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
         stored = {k: stored[v] for k, v in source.items()}
     _check_fits(stored, wanted, f"{who}: the checkpoint at step {step} in {mgr.directory}")
     if weights_only:
-        return _restore_weights(mgr, step, state, metadata, source=source, who=who), None
+        return _restore_weights(mgr, step, state, metadata, source=source, target=target,
+                                who=who), None
     with _restoring(mgr, step, who):
         out = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                                         meta=ocp.args.JsonRestore()))
@@ -2307,11 +2368,9 @@ def _restore(mgr, step, state, who, *, weights_only=False, ema=False):
     return restored, out["meta"]
 
 
-def _restore_weights(mgr, step, state, metadata, *, source, who):
-    """`state` with its `params` and `batch_stats` from the checkpoint's leaves named in `source`;
-    the rest (orbax restores no part alone) goes to host memory."""
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          _key_data(state))
+def _restore_weights(mgr, step, state, metadata, *, source, target, who):
+    """`state` with its `params` and `batch_stats` from the checkpoint's leaves named in `source`
+    (`target`: the state's shapes); the rest (orbax restores no part alone) goes to host memory."""
     groups = [k for k in ("params", "batch_stats") if hasattr(target, k)]
     mine = {source[_path_name(p)]: x for p, x in jax.tree_util.tree_leaves_with_path(
         {k: getattr(target, k) for k in groups})}
@@ -2326,6 +2385,21 @@ def _restore_weights(mgr, step, state, metadata, *, source, who):
     return state.replace(**{k: jax.tree_util.tree_map_with_path(
         lambda p, x, k=k: _as_before(got[source[f"{k}/{_path_name(p)}"]], x), getattr(state, k))
         for k in groups})
+
+
+def _as_before(restored, like):
+    """A restored leaf as the state's: its dtype, or a typed key of its implementation."""
+    if _is_key(like):
+        return jax.random.wrap_key_data(restored, impl=jax.random.key_impl(like))
+    return jnp.asarray(restored, like.dtype)
+
+
+_is_array_like = lambda x: hasattr(x, "shape")  # (a checkpoint's metadata leaf)
+
+
+def _key_data(tree):
+    """Typed PRNG keys as their raw uint32 data, which orbax can save."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
 
 
 def _with_base(state, frozen):
@@ -2385,33 +2459,6 @@ def _fingerprint(frozen):
         jax.tree_util.tree_leaves_with_path(frozen), jax.tree.leaves(sums))}
 
 
-def _check_base(saved, frozen, where):
-    """Raises, naming the first path that differs, if the model's frozen base is not the one
-    whose fingerprint a run saved (`save_frozen=False`)."""
-    mine = _fingerprint(frozen)
-    for path in sorted({*saved, *mine}):
-        if saved.get(path) != mine.get(path):
-            raise ValueError(f"{where} was saved without its frozen base (save_frozen=False), and "
-                             f"the model's base differs from that run's at {path}: "
-                             f"{mine.get(path)} here, {saved.get(path)} there ([shape, dtype, "
-                             f"checksum]); pass the model with the run's base.")
-
-
-def _as_before(restored, like):
-    """A restored leaf as the state's: its dtype, or a typed key of its implementation."""
-    if _is_key(like):
-        return jax.random.wrap_key_data(restored, impl=jax.random.key_impl(like))
-    return jnp.asarray(restored, like.dtype)
-
-
-_is_array_like = lambda x: hasattr(x, "shape")  # (a checkpoint's metadata leaf)
-
-
-def _key_data(tree):
-    """Typed PRNG keys as their raw uint32 data, which orbax can save."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
-
-
 class _Run:
     """What a hook sees: `event` (`train_start`, `log`, `epoch_end`, `eval`, `save` before a
     checkpoint, `train_end`), `step`, `epoch`, `state` (valid during the call only; at `log`, one
@@ -2442,7 +2489,7 @@ class _Run:
         self.stopping = progress.stop  # (a hook's stop, for good: _Progress.go_on)
         self.stopped_early = self.interrupted = self.stop = self.save = False
         self.event = self.step = self.epoch = self.state = None
-        self.metrics, self.arrays, self.last_eval, self.meter = {}, {}, None, None  # (meter: set
+        self.metrics, self.arrays, self.last_eval, self.clock = {}, {}, None, None  # (clock: set
         # once it runs)
 
     best = property(lambda self: self.best_of.value)  # (the best monitored value so far)
@@ -2457,8 +2504,8 @@ class _Run:
         self.stopping = self.stopping or stop
         for hook, name in zip(self.hooks, self.hook_names):
             # Your hooks' time is left out of steps/s (`hooks_s`); the built-in ones' stays in.
-            with contextlib.nullcontext() if type(hook) in (ProgressBar, TensorBoard) or \
-                    not self.meter else self.meter.timed("hooks"):
+            with contextlib.nullcontext() if _builtin(hook) or not self.clock else \
+                    self.clock.timed("hooks"):
                 hook(event, self)
             if self.state is not state and event != "train_end":
                 raise ValueError(f"fit: hook {_name(hook)} assigned run.state at {event!r}, "
@@ -2479,13 +2526,13 @@ class _Run:
             _agree_on_stops(self)
         return self.state
 
-    def timed(self, name):
+    def timed(self, name: str) -> contextlib.AbstractContextManager:
         """`with run.timed("upload"):` a hook's own work, as `history.timing["upload_s"]`; all of
         your hooks' time is kept out of steps/s anyway, as `hooks_s`."""
-        if self.meter and name in self.meter.spent:
+        if self.clock and name in self.clock.spent:
             raise ValueError(f"fit: run.timed({name!r}) would add to fit's own {name}_s; "
                              f"name your part otherwise.")
-        return self.meter.timed(name) if self.meter else contextlib.nullcontext()
+        return self.clock.timed(name) if self.clock else contextlib.nullcontext()
 
     def record(self, row, *items):
         for name, value in [*items, *row.items()]:
@@ -2501,11 +2548,29 @@ class _Run:
         """After an error: the built-in hooks close bar and files (the user's get no train_end)."""
         if self.event != "train_end":
             self.interrupted = True
-            for hook in [h for h in self.hooks if isinstance(h, (TensorBoard, ProgressBar))]:
+            for hook in filter(_builtin, self.hooks):
                 hook("train_end", self)
 
 
-# -- The loop: train metrics and time on the host, read one step late; an eval, a save ---------
+def _hook_names(hooks):
+    """Each hook's stable name, the key of its saved state, the same on every process whatever
+    `verbose` and `tensorboard`: its `name` attribute, else its class's or function's name; the
+    n-th hook of one name is `<name>_<n>`."""
+    bases = [getattr(hook, "name", None) or _name(hook) for hook in hooks]
+    return [b if not bases[:i].count(b) else f"{b}_{bases[:i].count(b) + 1}"
+            for i, b in enumerate(bases)]
+
+
+def _hook_states(saved, hooks, names):
+    """A checkpoint's hook states by name; one written before #40 keyed them by position among all
+    hooks (the built-in ones' count varied): its states go to the hooks that keep one, in order."""
+    if not saved or not all(key.isdigit() for key in saved):
+        return saved
+    keeping = [name for hook, name in zip(hooks, names) if hasattr(hook, "set_state")]
+    return dict(zip(keeping, [saved[key] for key in sorted(saved, key=int)]))
+
+
+# -- The loop: the compiled steps' calls, the train metrics read one call late, time; its body -----
 
 _MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warns
 
@@ -2516,57 +2581,21 @@ _AHEAD = 2  # calls the host may dispatch before the device has finished them
 _LAG = 1  # calls after a log point that its sums are read (the read waits for them if need be)
 
 
-# Dense bf16 peak TFLOP/s per chip (data sheets, no sparsity) for perf/mfu, by `device_kind`.
-_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
-                ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0),
-                ("L4", 121.0), ("TPU v6 lite", 918.0),
-                ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0), ("TPU v3", 123.0))
+class _Dispatch:
+    """The compiled steps' calls: dispatches step n (or k steps) and keeps their on-device sums
+    (`take`); only a new batch shape waits, to compile and to time it, and XLA's estimates of it
+    (FLOPs for `_Clock`, the memory, said before its first step)."""
 
-
-def _peak_tflops(device_kind):
-    return next((peak for name, peak in _PEAK_TFLOPS if name in device_kind), None)
-
-
-def _megabytes(n):
-    return f"{n / 1e6:.1f} MB"
-
-
-class _Meter:
-    """The host side of train metrics and time: sums read one step late, so the host never waits,
-    and checkpointed (`sums`), so a resumed run logs what an uninterrupted one would."""
-
-    def __init__(self, steps, opts, sums, step):
-        self.steps, self.acc = steps, steps.acc0
-        self.skipping, self.norms = opts.on_nonfinite == "skip", {}
-        # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
-        self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
-        self.pending, self.calls = collections.deque(), 0  # log points to read, calls made
-        self.lr, self.logged, self.first_step = {}, step, step
-        self.compiled, self.inflight, self.compile_shown = {}, collections.deque(), 0.0
-        # The batch shapes fed since the last log point, where they changed (_agree_shapes).
+    def __init__(self, steps, clock, opts, step):
+        self.steps, self.clock, self.acc, self.calls = steps, clock, steps.acc0, 0
+        self.compiled, self.inflight = {}, collections.deque()  # {shape: (rows, FLOPs)}
+        # The batch shapes fed since the last log point, where they changed (agree_shapes).
         self.shape, self.changes, self.fed, self.said = None, [], step, set()
-        # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
-        self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data", "hooks")}
-        self.within = {}  # what `run.timed` measures inside another timed part (not subtracted)
-        self.spent_steps, self.data_logged, self.timing_now = 0, 0.0, False
-        self.t0 = self.t_ready = self.t_logged = time.perf_counter()
-        self.t_end = None
-        # Speed beyond steps/s (speed()): the steady calls' rows and FLOPs (over `counted` steps),
-        # the loss's weights.
-        self.rows = self.flops = self.tokens = 0.0
-        self.counted = 0
-        self.summed, self.weighted = 0, steps.weighted_loss and "loss" in steps.train_sums.names
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
-        self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
-        # XLA's memory estimate of the compiled step, per device (the largest shape's)
-        self.estimate = dict.fromkeys(("step_argument_bytes", "step_output_bytes",
-                                       "step_temp_bytes"))
-        self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
 
-    def dispatch(self, state, batch, k, *, epoch=0, position=(0, None)):
-        """Dispatches step n (or k steps); only a new batch shape waits, to time its compile. A new
-        shape that fails is named, with where it is (`epoch`, `position`)."""
-        self.spent["data"][0] += time.perf_counter() - self.t_ready
+    def __call__(self, state, batch, k, *, epoch=0, position=(0, None)):
+        """Step n (or k steps) on `batch`; a new shape that fails is named, with where it is."""
+        self.clock.fetched()
         shape = (k, *(a.shape for a in jax.tree.leaves(batch)))
         if shape != self.shape:  # (length buckets: a new shape)
             self.shape = shape
@@ -2575,22 +2604,11 @@ class _Meter:
         train = self.steps.train if k == 1 else self.steps.train_k
         if cost := self.compiled.get(shape):  # (rows, FLOPs per device) of a call of this shape
             state, self.acc = train(state, self.acc, batch, self.steps.frozen)
-            self.rows, self.flops = self.rows + cost[0], self.flops + cost[1]
-            self.counted += k  # (the steps those rows and FLOPs are of)
+            self.clock.ran(k, *cost)
         else:  # one wait per new shape, so compile time is kept out of the rate
-            if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
-                _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build"
-                                   " it with optax.inject_hyperparams(...), or pass lr_fn=.")
             try:
-                with self.timed("compile", k):
-                    check = None if self.compiled else self._compile_check(state)
-                    # Compiled ahead, to read XLA's estimates; the call below reuses the executable.
-                    frozen = self.steps.frozen
-                    cost = self._analyse(train.lower(state, self.acc, batch, frozen).compile(),
-                                         shape)
-                    state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
-                    if check:
-                        check.join()
+                with self.clock.timed("compile", k):
+                    state = self._compile(train, state, batch, shape)
             except Exception as e:
                 if not self.compiled:  # (the first batch: the trace's own checks explain it)
                     raise
@@ -2600,15 +2618,28 @@ class _Meter:
                                  f"from the first batch's {first[1:]}: does the model take inputs "
                                  f"of that shape? ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:300]})") from e
-            self.compiled[shape] = cost  # (a dict: the first shape comes first)
-            if len(self.compiled) == _MANY_SHAPES:
-                warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, "
-                              f"and each new shape compiles the step again; pad them to a few "
-                              f"lengths (buckets) instead.")
         self.inflight.append(self.acc["count"])
         if len(self.inflight) > _AHEAD:  # no queue of batches (and, measured, a faster host)
             self.inflight.popleft().block_until_ready()
-        self.t_ready = time.perf_counter()
+        self.clock.ready()
+        return state
+
+    def _compile(self, train, state, batch, shape):
+        """A new shape's call, compiled ahead to read XLA's estimates (the call reuses the
+        executable); the first shape's with the check before saves beside it (`_compile_check`)."""
+        if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
+            _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build it "
+                               "with optax.inject_hyperparams(...), or pass lr_fn=.")
+        check, frozen = None if self.compiled else self._compile_check(state), self.steps.frozen
+        self.compiled[shape] = self._analyse(train.lower(state, self.acc, batch, frozen).compile(),
+                                             shape)  # (a dict: the first shape comes first)
+        state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
+        if check:
+            check.join()
+        if len(self.compiled) == _MANY_SHAPES:
+            warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, and "
+                          f"each new shape compiles the step again; pad them to a few lengths "
+                          f"(buckets) instead.")
         return state
 
     def _compile_check(self, state):
@@ -2633,46 +2664,63 @@ class _Meter:
         cost = compiled.cost_analysis()
         cost = (cost[0] if isinstance(cost, list) else cost) or {}
         flops = cost.get("flops", 0.0) * (1 if k == 1 or _unrolled() else k) * self.grad_accum
-        memory = compiled.memory_analysis()
+        memory, estimate = compiled.memory_analysis(), self.clock.estimate
         if memory is not None:
             new = {f"step_{part}_bytes": getattr(memory, f"{part}_size_in_bytes")
                    for part in ("argument", "output", "temp")}
-            if self.estimate["step_argument_bytes"] is None:  # (the first shape's: said)
+            if estimate["step_argument_bytes"] is None:  # (the first shape's: said)
                 total = sum(new.values()) - memory.alias_size_in_bytes  # (the donated state)
-                parts = ", ".join(f"{name} {_megabytes(n)}" for name, n in zip(
+                mb = lambda n: f"{n / 1e6:.1f} MB"
+                parts = ", ".join(f"{name} {mb(n)}" for name, n in zip(
                     ("arguments", "outputs", "temporaries"), new.values()))
-                _say(self.verbose, f"fit: the compiled train step needs about {_megabytes(total)}"
+                _say(self.verbose, f"fit: the compiled train step needs about {mb(total)}"
                                    f" per device ({parts}: XLA's estimate).")
-            self.estimate = {key: max(v, self.estimate[key] or 0) for key, v in new.items()}
+            estimate.update({key: max(v, estimate[key] or 0) for key, v in new.items()})
         return rows, flops
 
-    def read(self, step, log_due, sync=False):
-        """`[(step, metrics)]` of the log points ready now: a log point's sums are read `_LAG`
-        calls later, when the device has finished them and still has steps queued to run while
-        the host logs; with `sync` (an epoch's end, a save), at once."""
-        ready = []
-        while self.pending and (sync or self.calls - self.pending[0][3] >= _LAG):
-            ready.append(self.pending.popleft())
-        if log_due or sync:
-            if jax.process_count() > 1:
-                self._agree_shapes(step)
-            this, self.acc = (self.acc, step, log_due, self.calls), self.steps.acc0
-            if sync:
-                ready.append(this)
-            else:
-                self.pending.append(this)
-        logged = []
-        for acc, at, log, _ in ready:
-            self._add(jax.device_get(acc), at)
-            logged += self._interval(at) if log else []
-        return logged
+    def take(self):
+        """The sums of the calls since the last `take`, and the calls made; the sums start anew."""
+        acc, self.acc = self.acc, self.steps.acc0
+        return acc, self.calls
 
-    def _agree_shapes(self, step):
+    def agree_shapes(self, step):
         """Every process fed batches of the same shapes since the last log point (_check_data)."""
         fed = "; ".join(f"step {s + 1}: {shape[1:]}" for s, shape in self.changes)
         _agree(fed or "no new shape", f"the processes fed batches of different shapes by step "
                                       f"{step}")
         self.changes = []
+
+
+class _Readings:
+    """The train metrics on the host: the sums of the calls up to a log point, read `_LAG` calls
+    later, when the device has finished them, so the host never waits; the means of the log
+    interval and the epoch, checkpointed (`sums`), so a resumed run logs what an uninterrupted one
+    would; the non-finite values they show, which raise."""
+
+    def __init__(self, dispatch, opts, sums, step):
+        self.dispatch, self.steps, self.clock = dispatch, dispatch.steps, dispatch.clock
+        self.skipping, self.norms, self.lr, self.logged = opts.on_nonfinite == "skip", {}, {}, step
+        # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
+        self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
+        self.pending = collections.deque()  # log points to read: (sums, step, log?, calls)
+
+    def read(self, step, log_due, sync=False):
+        """`[(step, metrics)]` of the log points ready now: a log point's sums are read `_LAG`
+        calls later, when the device has finished them and still has steps queued to run while
+        the host logs; with `sync` (an epoch's end, a save), at once."""
+        ready, calls = [], self.dispatch.calls
+        while self.pending and (sync or calls - self.pending[0][3] >= _LAG):
+            ready.append(self.pending.popleft())
+        if log_due or sync:
+            if jax.process_count() > 1:
+                self.dispatch.agree_shapes(step)
+            acc, calls = self.dispatch.take()
+            (ready if sync else self.pending).append((acc, step, log_due, calls))
+        logged = []
+        for acc, at, log, _ in ready:
+            self._add(jax.device_get(acc), at)
+            logged += self._interval(at) if log else []
+        return logged
 
     def _add(self, acc, step):
         n, n_bad, first_bad, values, norms, lr = self.steps.train_sums.read(acc)
@@ -2685,8 +2733,7 @@ class _Meter:
             self.norms = {f"train/{k}": v for k, v in zip(_NORMS, norms)
                           if k in self.steps.train_names}
             self.check(step, norms[1] if math.isfinite(norms[0]) else norms[0])
-        self.summed += n
-        self.tokens += values["loss"][1] if self.weighted else 0.0
+        self.clock.sums_read(n, values.get("loss", (0, 0))[1])
         for part in (self.sums["log"], self.sums["epoch"]):
             part[0] += n
             part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
@@ -2698,18 +2745,8 @@ class _Meter:
         """The means of the interval that ends at `step`, with the learning rate and speed."""
         if step == self.logged:
             return []
-        means = {**self.means("log"), **self.norms}  # (no means: every step was skipped)
-        self.norms = {}
-        means |= self.lr
-        now, rate = time.perf_counter(), self.steady_rate(step)
-        if rate:
-            means["perf/steps_per_s"] = rate
-            means |= {f"perf/{k}": v for k, v in self.speed(step).items() if v is not None}
-        waited = self.spent["data"][0] - self.data_logged
-        means["perf/data_wait_fraction"] = waited / max(now - self.t_logged, 1e-9)
-        if self.spent["compile"][0] > self.compile_shown:  # at first, then for each new shape
-            means["perf/compile_s"] = self.compile_shown = self.spent["compile"][0]
-        self.logged, self.t_logged, self.data_logged = step, now, self.spent["data"][0]
+        means = {**self.means("log"), **self.norms, **self.lr, **self.clock.perf(step)}
+        self.norms, self.logged = {}, step  # (no means: every step was skipped)
         return [(step, means)]
 
     def check(self, step, norm, state=None):
@@ -2740,6 +2777,49 @@ class _Meter:
         if self.skipping:
             means["train/skipped_steps"] = self.sums["skipped"]
         return means
+
+
+# Dense bf16 peak TFLOP/s per chip (data sheets, no sparsity) for perf/mfu, by `device_kind`.
+_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
+                ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L40", 181.0),
+                ("L4", 121.0), ("TPU v6 lite", 918.0),
+                ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0), ("TPU v3", 123.0))
+
+
+class _Clock:
+    """Time and speed: what the steady rate leaves out (compiles, evals, saves, the last commit,
+    your hooks), the steady rate, the speed figures of a log point, and `timing`, the run's."""
+
+    def __init__(self, steps, opts, step):
+        # What the steady rate leaves out, [seconds, times]; "data" is the host fetching batches.
+        self.spent = {k: [0.0, 0] for k in ("compile", "eval", "save", "finish", "data", "hooks")}
+        self.within = {}  # what `run.timed` measures inside another timed part (not subtracted)
+        self.spent_steps, self.first_step, self.timing_now = 0, step, False
+        self.t0 = self.t_ready = self.t_logged = time.perf_counter()
+        self.t_end, self.data_logged, self.compile_shown = None, 0.0, 0.0
+        # The steady calls' rows and FLOPs (over `counted` steps), the loss's weights (over
+        # `summed` steps): their means a step x steps/s are the speed figures.
+        self.rows = self.flops = self.tokens = 0.0
+        self.counted = self.summed = 0
+        self.weighted = steps.weighted_loss and "loss" in steps.train_sums.names
+        kind = jax.local_devices()[0].device_kind
+        self.peak = opts.peak_tflops or next((p for name, p in _PEAK_TFLOPS if name in kind), None)
+        # XLA's memory estimate of the compiled step, per device (the largest shape's: _Dispatch)
+        self.estimate = dict.fromkeys(("step_argument_bytes", "step_output_bytes",
+                                       "step_temp_bytes"))
+        self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
+
+    def fetched(self):  # (a batch fetched: the host's wait for data, since the last call)
+        self.spent["data"][0] += time.perf_counter() - self.t_ready
+
+    def ready(self):
+        self.t_ready = time.perf_counter()
+
+    def ran(self, k, rows, flops):  # (a steady call of k steps)
+        self.rows, self.flops, self.counted = self.rows + rows, self.flops + flops, self.counted + k
+
+    def sums_read(self, steps, tokens):  # (the sums of `steps` read: their loss's weights)
+        self.summed, self.tokens = self.summed + steps, self.tokens + tokens * self.weighted
 
     @contextlib.contextmanager
     def timed(self, what, steps=0):
@@ -2777,15 +2857,30 @@ class _Meter:
         rate = self.steady_rate(step)
         # Every figure is its mean per step x steps/s, so all cover the same steps (the rows and
         # FLOPs are summed as calls are dispatched, one call past a log point's step).
-        per_step = lambda total: rate and self.counted and total / self.counted * rate or None
-        out = {"examples_per_s": per_step(self.rows), "tflops_per_s": per_step(self.flops / 1e12)}
+        per_step = lambda total, n: rate and n and total / n * rate or None
+        out = {"examples_per_s": per_step(self.rows, self.counted),
+               "tflops_per_s": per_step(self.flops / 1e12, self.counted)}
         if self.weighted:
-            out["tokens_per_s"] = rate and self.summed and self.tokens / self.summed * rate or None
+            out["tokens_per_s"] = per_step(self.tokens, self.summed)
         if self.peak:
             out["mfu"] = out["tflops_per_s"] and out["tflops_per_s"] / self.peak
         if self.devices:  # (read at log points only: a query per device)
             out["memory_gb"] = max(d.memory_stats().get("peak_bytes_in_use", 0)
                                    for d in self.devices) / 1e9
+        return out
+
+    def perf(self, step):
+        """A log point's `perf/` figures: steps/s and `speed`, the share of time waiting for
+        data since the last one, the compile time (at first, then for each new shape)."""
+        now, rate, out = time.perf_counter(), self.steady_rate(step), {}
+        if rate:
+            out["perf/steps_per_s"] = rate
+            out |= {f"perf/{k}": v for k, v in self.speed(step).items() if v is not None}
+        waited = self.spent["data"][0] - self.data_logged
+        out["perf/data_wait_fraction"] = waited / max(now - self.t_logged, 1e-9)
+        if self.spent["compile"][0] > self.compile_shown:
+            out["perf/compile_s"] = self.compile_shown = self.spent["compile"][0]
+        self.t_logged, self.data_logged = now, self.spent["data"][0]
         return out
 
     def timing(self, step):
@@ -2804,17 +2899,20 @@ class _Loop:
     """The loop's body around its steps, built once by `fit`: the log points (`log`, with the
     `poll`), an eval, an epoch's end, a save. It holds the run's parts, so none is handed around."""
 
-    def __init__(self, run, meter, ckpts, signals, *, plan, tests, python, verbose):
-        self.run, self.meter, self.ckpts, self.signals = run, meter, ckpts, signals
-        self.plan, self.tests, self.python, self.verbose = plan, tests, python, verbose
+    def __init__(self, run, readings, ckpts, signals, *, plan, eval_data, python, verbose):
+        self.run, self.readings, self.ckpts, self.signals = run, readings, ckpts, signals
+        self.plan, self.eval_data, self.python, self.verbose = plan, eval_data, python, verbose
 
     def log(self, state, step, epoch, *, due=False, sync=False):
-        """A `log` event for each log point whose sums `_Meter.read` returns; at the loop's own
+        """A `log` event for each log point whose sums `_Readings.read` returns; at the loop's own
         log points (not `sync`), first the poll."""
-        logged = self.meter.read(step, due, sync)
+        logged = self.readings.read(step, due, sync)
         save, stop = self.poll() if logged and not sync else (False, None)
         for at, metrics in logged:
             self.run.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
+
+    def pending(self):  # (log points whose sums are to be read at the next call)
+        return bool(self.readings.pending)
 
     def poll(self):
         """`(save, stop)`: whether `ckpt_interval` has passed, a signal to one of several processes;
@@ -2822,7 +2920,7 @@ class _Loop:
         self.ckpts.raise_failed()
         return time.monotonic() - self.ckpts.last_time >= self.ckpts.interval, self.signals.asked
 
-    def evaluate(self, state, step, epoch):
+    def evals(self, state, step, epoch):
         """An eval of every set: `eval/<metric>`, or `eval/<set>/<metric>` for named sets; with
         `plan.ema`, the average's too, `eval_ema/...`. Every metric is computed first (fit's, then
         `eval_metrics`'), then recorded, ranked and shown to the hooks, all the same values."""
@@ -2831,11 +2929,12 @@ class _Loop:
             states["eval_ema"] = state.replace(params=_ema_params(state.opt_state))
         metrics, arrays = {}, {}
         for part, of in states.items():
-            for name, test in self.tests.items():
-                values = _evaluate(self.meter.steps, test, of, name, meter=self.meter,
+            for name, test in self.eval_data.items():
+                values = _eval_set(self.readings.steps, test, of, name, clock=self.run.clock,
                                    python=self.python)
                 for k, v in values.items():  # (arrays: to hooks and TensorBoard, not the history)
-                    (arrays if isinstance(v, np.ndarray) else metrics)[_metric_tag(part, name, k)] = v
+                    tag = _metric_tag(part, name, k)
+                    (arrays if isinstance(v, np.ndarray) else metrics)[tag] = v
         run, run.last_eval = self.run, step
         run.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
         run.save = run.best_of.track(metrics, step) or run.save
@@ -2846,57 +2945,40 @@ class _Loop:
         cut it)."""
         run = self.run
         self.log(state, step, epoch, due=True, sync=True)
-        row = self.meter.means("epoch", reset=complete)  # (a cut epoch's sums go on on resume)
+        row = self.readings.means("epoch", reset=complete)  # (a cut epoch's sums go on on
+        # resume)
         run.record(row, ("epoch", epoch + 1), ("step", step))
         run.save = run.best_of.track(row, step) or run.save  # (a train/ monitor's)
         run.call("epoch_end", state, step, epoch, metrics=row)
         last = self.plan.done(epoch + complete, step)
         if self.plan.eval_at_epoch_end(epoch + 1, last) and run.last_eval != step:
-            self.evaluate(state, step, epoch)
+            self.evals(state, step, epoch)
 
-    def save(self, state, step, epoch, position):
+    def checkpoint(self, state, step, epoch, position):
         """A checkpoint of this step (asynchronous) with all the run depends on (`_Progress`);
         first the metrics are read and the parameters checked, so a NaN state is never written."""
-        run, meter = self.run, self.meter
+        run, readings = self.run, self.readings
         if step == self.ckpts.saved:
             return
         self.log(state, step, epoch, sync=True)
-        with meter.timed("save"):  # (the check, the hooks and orbax's blocking part)
-            meter.check(step, None, state)
+        with run.clock.timed("save"):  # (the check, the hooks and orbax's blocking part)
+            readings.check(step, None, state)
             run.call("save", state, step, epoch)
             if run.stopping:
                 run.history.setdefault("stopped", []).append(f"{run.stopping} at step {step}")
             best, value = run.best_of, run.best_of.rank(step)  # (first: the record holds it)
             position = position if position[0] else (0, None)
-            vars(self.ckpts.progress).update(
-                epoch=epoch, position=position, positions=_gathered(position), meter=meter.sums,
+            self.ckpts.progress.saving(
+                epoch=epoch, position=position, positions=_gathered(position), meter=readings.sums,
                 history=run.history, best=best.value, best_step=best.step, top=best.top,
                 stop=None if run.stopping in _SIGNALS else run.stopping,
                 hooks={name: h.get_state() for h, name in zip(run.hooks, run.hook_names)
                        if hasattr(h, "get_state")})
-            self.ckpts.save(step, state, value)
+            self.ckpts.write(step, state, value)
         run.save = False
         if run.stopping in _SIGNALS:
             _say(self.verbose, f"fit: stopped by {run.stopping} at step {step}; checkpoint "
                                f"saved, continue with resume=True.")
-
-
-def _hook_names(hooks):
-    """Each hook's stable name, the key of its saved state, the same on every process whatever
-    `verbose` and `tensorboard`: its `name` attribute, else its class's or function's name; the
-    n-th hook of one name is `<name>_<n>`."""
-    bases = [getattr(hook, "name", None) or _name(hook) for hook in hooks]
-    return [b if not bases[:i].count(b) else f"{b}_{bases[:i].count(b) + 1}"
-            for i, b in enumerate(bases)]
-
-
-def _hook_states(saved, hooks, names):
-    """A checkpoint's hook states by name; one written before #40 keyed them by position among all
-    hooks (the built-in ones' count varied): its states go to the hooks that keep one, in order."""
-    if not saved or not all(key.isdigit() for key in saved):
-        return saved
-    keeping = [name for hook, name in zip(hooks, names) if hasattr(hook, "set_state")]
-    return dict(zip(keeping, [saved[key] for key in sorted(saved, key=int)]))
 
 
 def _metric_tag(part, eval_set, metric):
@@ -2904,12 +2986,12 @@ def _metric_tag(part, eval_set, metric):
     return f"{part}/{metric}" if eval_set is None else f"{part}/{eval_set}/{metric}"
 
 
-def _evaluate(steps, test, state, name=None, *, meter=None, python=None):
+def _eval_set(steps, test, state, name=None, *, clock=None, python=None):
     """Metrics over one eval set, `{name: float or ndarray}`: summed on device and read once (a
     state merged on the host: each batch's read one batch late, as the next runs), then the ones
-    computed in Python (`python`); `meter`: its time is left out of the rate."""
-    with meter.timed("eval") if meter else contextlib.nullcontext():
-        acc, step, sums = steps.eval0[name], steps.eval[name], steps.eval_sums[name]
+    computed in Python (`python`); `clock`: its time is left out of the rate."""
+    with clock.timed("eval") if clock else contextlib.nullcontext():
+        acc, step, sums = steps.eval0[name], steps.evals[name], steps.eval_sums[name]
         host, last = {}, {}
         for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), steps.put):
             acc, out = step(state, acc, batch, steps.frozen)
@@ -2939,20 +3021,182 @@ def _python_metrics(fns, view):
             except (TypeError, ValueError):
                 raise TypeError(f"fit: eval_metrics[{name!r}] must return a float, got "
                                 f"{type(value).__name__} {str(value)[:80]}.") from None
-        values = np.array(values, np.float64)
-        if jax.process_count() > 1:  # (as bytes: exact, whatever jax's float width)
-            values = np.frombuffer(np.asarray(multihost_utils.broadcast_one_to_all(
-                np.frombuffer(values.tobytes(), np.uint8))).tobytes(), np.float64)
-        return dict(zip(fns, values.tolist()))
+        return dict(zip(fns, (_gathered(values) or [values])[0]))  # (process 0's, exactly)
     return compute if fns else None
 
 
+# -- Processes and signals: what every process must agree on; SIGINT, SIGTERM, preemption ----------
+
+def _agree_on_stops(run):
+    """A stop or save that any process asks for (a hook, a signal) holds for all, so every process
+    saves the same; a hook's stop (final) outranks a signal's (resumable)."""
+    kind = 0 if not run.stopping else 1 if run.stopping in _SIGNALS else 2
+    most, save = multihost_utils.process_allgather(np.array([kind, run.save], np.int32)).max(0)
+    run.save = bool(save)
+    if most > kind:
+        run.stopping = "SIGINT" if most == 1 else "a hook on another process"
+
+
+def _gathered(value):
+    """Every process's JSON-able `value`, by process index (a collective); one process: None."""
+    if jax.process_count() == 1:
+        return None
+    text = json.dumps(_jsonable(value)).encode()
+    size = int(np.asarray(multihost_utils.process_allgather(np.int32(len(text)))).max())
+    rows = multihost_utils.process_allgather(np.frombuffer(text.ljust(size), np.uint8))
+    return [json.loads(bytes(row).decode()) for row in np.asarray(rows)]
+
+
+def _agree(mine, what):
+    """Raises the same error in every process if their texts differ (a collective)."""
+    texts = _gathered(mine)
+    if len(set(texts)) == 1:
+        return
+    listed = "\n  ".join(f"process {i}: {text[:2048]}" for i, text in enumerate(texts))
+    raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must pass the same arrays (x, y) "
+                     f"with the global batch_size (fit takes each process's share), or feed the "
+                     f"same number of batches of the same shapes (its share of each global "
+                     f"batch), else the run hangs in a collective or trains on mismatched arrays.")
+
+
+_SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
+
+
+class _Signals:
+    """Why the run must stop. Ctrl-C or SIGTERM stops after the step with a checkpoint, resumably;
+    SIGTERM then exits 143, a second Ctrl-C aborts at once. One after the last step: SIGTERM exits
+    143, Ctrl-C raises KeyboardInterrupt, once the final checkpoint is committed. Off the main
+    thread fit cannot catch signals (it warns). With several processes JAX's preemption notifier
+    owns SIGTERM (one step for all) and takes Ctrl-C; without it, Ctrl-C on one process stops all
+    at the next log point."""
+
+    def __init__(self):
+        self.reason, self.asked, self.previous, self.forwarded = None, None, {}, False
+
+    def __enter__(self):
+        sigs = [signal.SIGINT] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn("fit: called off the main thread, where Python lets no code catch "
+                          "signals: Ctrl-C and SIGTERM cannot stop this run with a checkpoint "
+                          "(resume=True goes on from its last one).", stacklevel=3)
+            return self
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
+        return self
+
+    def _handle(self, sig, frame):
+        if (self.reason or self.asked or self.forwarded) and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        # With several processes, one stopping alone would leave the others in a collective.
+        if jax.process_count() == 1:
+            self.reason = signal.Signals(sig).name
+        elif jax.config.jax_enable_preemption_service:  # it picks one step for all
+            self.forwarded = True
+            signal.raise_signal(signal.SIGTERM)
+        else:  # asked of every process at the next log point (_Loop.poll)
+            self.asked = signal.Signals(sig).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    @staticmethod
+    def honour(stopping, late):
+        """After the run is closed: SIGTERM or preemption (a stop's, or one `late`, after the last
+        step) exits 143, what schedulers expect; a late Ctrl-C stops the script."""
+        if stopping in ("SIGTERM", "preemption") or late in ("SIGTERM", "preemption"):
+            raise SystemExit(128 + signal.SIGTERM)
+        if late == "SIGINT" and stopping not in _SIGNALS:
+            raise KeyboardInterrupt
+
+
+# -- Small helpers ---------------------------------------------------------------------------------
+
+def _mean(name, total, weight, who, where):
+    """A metric's exact value over many batches: the sum of its totals over their weights."""
+    if math.isnan(weight):
+        raise ValueError(f"fit: metric {name!r} of {who} has a negative weight in {where}; a "
+                         f"Weighted(total, weight) needs weight >= 0 (e.g. a count of tokens).")
+    if not weight:
+        raise ValueError(f"fit: metric {name!r} of {who} has a total weight of 0 over {where} "
+                         f"(all padding?), so it has no value; give it real examples.")
+    return total / weight
+
+
+def _path_name(path):
+    """A tree path as `params/Dense_0/kernel`."""
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _lr_in(tree):
+    """The learning rates that `optax.inject_hyperparams` keeps in an optimizer state: one as
+    `{"": lr}`, several (`optax.multi_transform`) by their labels (else paths); none: `{}`."""
+    is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
+    try:
+        found = optax.tree.get_all_with_path(tree, "learning_rate", filtering=is_array)
+    except Exception:  # (a state optax cannot search: no rate to log)
+        return {}
+    if len(found) == 1:
+        return {"": found[0][1]}
+    label = lambda path: [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)
+                          and k.key not in ("hyperparams", "learning_rate")][-1:]
+    labels = ["".join(label(path)) or _path_name(path[:-2]) for path, _ in found]
+    if len(set(labels)) < len(labels):
+        labels = [_path_name(path[:-2]) for path, _ in found]
+    return dict(zip(labels, [value for _, value in found]))
+
+
+def _is_nnx_state(state):
+    """Whether a TrainState is an nnx model's, as `_adapt` makes it (no apply_fn)."""
+    return getattr(state, "apply_fn", True) is None
+
+
+def _is_nnx(x):
+    nnx = sys.modules.get("flax.nnx")  # (no import: it costs runs without nnx ~0.3 s, ~9 MB)
+    return nnx is not None and isinstance(x, nnx.Module)
+
+
+def _is_key(x):
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _verbosity(verbose):
+    """0 on processes other than 0; TQDM_DISABLE=1 (tqdm's own switch) turns 1 into 2."""
+    if jax.process_index() != 0:
+        return 0
+    tqdm_off = os.environ.get("TQDM_DISABLE", "").lower() not in ("", "0", "false")
+    return 2 if verbose == 1 and tqdm_off else verbose
+
+
+def _name(fn):
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _itself(x, *_):
+    return x
+
+
+def _say(verbose, message):
+    if verbose:
+        tqdm.write(message)
+
+
+def _jsonable(tree):
+    as_json = lambda o: o.tolist() if hasattr(o, "tolist") else str(o)  # numpy values; the rest
+    return json.loads(json.dumps(tree, default=as_json))
+
+
 # ==============================================================================================
-# Guards. The story of a run ends above: a reader may stop here. What follows checks, advises
-# and protects (the run's claim, damaged checkpoints, processes, signals), each part called from
-# one line of the story.
+# Guards. The story of a run ends above. What follows checks, advises and refuses, and is called
+# only from the lines named here (tests/test_shape.py holds the file to it), so a reader may skip
+# it:
+#   fit: _check_state, _check_data, _check_plan, _check_schedule
+#   _adapt: _nnx_optimizer, _nnx_fits, _check_frozen
+#   _new_steps, _jit_eval, _train_and_accumulate: _trace, _metric_names, _per_example, _warn_dtypes
+#   _Checkpoints: _claim_run, _quiet, _cause
+#   _meta, _restore, _restore_weights: _restoring, _unrestorable, _check_fits
+#   _restore_all: _check_base
 # ==============================================================================================
-# -- Checks of the state, the data and the plan, before any directory or compile --------------
+# -- Checks before any directory or compile: the state, the data, the plan -------------------------
 
 def _check_state(state, opts):
     if not (opts.train_step or opts.loss_fn or opts.nnx_loss_fn):
@@ -2979,28 +3223,6 @@ def _check_state(state, opts):
                          f"(...)), or pass an nnx model with optimizer=nnx.Optimizer(...).")
 
 
-def _nnx_fits(state, who):
-    """The nnx optimizer's state must fit the model's parameters it trains."""
-    try:
-        if state.tx is not None:
-            jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{who}: the optimizer's state does not fit the model's parameters; "
-                         f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
-                         f"({e})") from None
-
-
-def _check_frozen(after, before):
-    """At trace time: a step that changes an nnx.Param outside the optimizer's `wrt` (the base fit
-    passes to each step unchanged, and would not keep) raises, naming it."""
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(after), jax.tree.leaves(before)):
-        if a is not b:
-            raise ValueError(f"fit: the step changes {_path_name(path)}, an nnx.Param outside "
-                             f"the optimizer's wrt, which fit passes to every step as a frozen "
-                             f"base and does not keep; make it another nnx.Variable type (as "
-                             f"BatchStat), or train it (wrt).")
-
-
 def _nnx_optimizer(optimizer, who):
     """An nnx model's optimizer, checked (none needed for `evaluate` or weights alone)."""
     if optimizer is None and who == "evaluate":  # (or load_ckpt's weights only)
@@ -3014,16 +3236,27 @@ def _nnx_optimizer(optimizer, who):
     return optimizer
 
 
-def _check_data(train, tests, opts, mesh):
+def _nnx_fits(state, who):
+    """The nnx optimizer's state must fit the model's parameters it trains."""
+    try:
+        if state.tx is not None:
+            jax.eval_shape(state.tx.update, state.params, state.opt_state, state.params)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{who}: the optimizer's state does not fit the model's parameters; "
+                         f"build it from this model: nnx.Optimizer(model, tx, wrt=nnx.Param). "
+                         f"({e})") from None
+
+
+def _check_data(train_data, eval_data, opts, mesh):
     """The batching, and that every process feeds the same batches' count and shapes (else a
     collective hangs): every process compares the same table, once, and raises the same error."""
-    if opts.batch_size is not None and not any(d.arrays for d in (train, *tests.values())):
+    if opts.batch_size is not None and not any(d.arrays for d in (train_data, *eval_data.values())):
         raise ValueError(f"fit: batch_size={opts.batch_size} is only for array data, a tuple (x, "
                          f"y), but train_ds and test_ds yield their own batches (a list is "
                          f"batches); drop batch_size, or pass the arrays as a tuple (x, y).")
-    n, d = train.batch_size, _local_shards(mesh, _batch_axes(opts))
-    if train.arrays:  # (said in global numbers: batch_size is the global batch)
-        n, d = train.global_batch, d * train.share[1]
+    n, d = train_data.batch_size, _local_shards(mesh, _batch_axes(opts))
+    if train_data.arrays:  # (said in global numbers: batch_size is the global batch)
+        n, d = train_data.global_batch, d * train_data.share[1]
     if n % d:
         raise ValueError(f"fit: the train batch size ({n}) must be divisible by the number of "
                          f"devices its rows split over ({d}, on the batch_axes "
@@ -3036,25 +3269,25 @@ def _check_data(train, tests, opts, mesh):
                          f"microbatches, but the train batch size ({n}) gives {d} device(s) "
                          f"{n // d} rows each; use a batch size divisible by devices x grad_accum "
                          f"= {d * k}, e.g. {n + d * k - n % (d * k)}.")
-    if jax.process_count() > 1 and train.length is None and not (
+    if jax.process_count() > 1 and train_data.length is None and not (
             opts.steps_per_epoch or opts.max_steps):
         raise ValueError("fit: with several processes, a train_ds without len() (a generator) "
                          "needs steps_per_epoch= or max_steps=, so all run the same steps.")
     if jax.process_count() > 1:
-        _agree("; ".join(d.describe() for d in (train, *tests.values())),
+        _agree("; ".join(d.describe() for d in (train_data, *eval_data.values())),
                "the processes' data disagree")
 
 
-def _check_plan(opts, train, tests, total):
+def _check_plan(opts, train_data, eval_data, total):
     """Raises for a one-shot iterator (a generator) that the run would read more than once."""
-    if train.stream and opts.num_epochs > 1 and not opts.steps_per_epoch:
+    if train_data.stream and opts.num_epochs > 1 and not opts.steps_per_epoch:
         raise ValueError(f"fit: train_ds is a one-shot iterator (a generator), read only once, "
                          f"but num_epochs={opts.num_epochs}; pass a re-iterable (a list, a loader,"
                          f" arrays (x, y) with batch_size=), steps_per_epoch= to take that many "
                          f"batches of the stream each epoch, or max_steps= for an endless one.")
     evals = (math.ceil(total / opts.eval_every) if total else 2) if opts.eval_every else \
         math.ceil(opts.num_epochs / opts.eval_freq)
-    for test in tests.values():
+    for test in eval_data.values():
         if test.stream and evals > 1:
             raise ValueError(f"fit: {test.name} is a one-shot iterator (a generator), read only "
                              f"once, but this run evaluates about {evals} times; pass a "
@@ -3105,43 +3338,7 @@ def _check_schedule(state, opts, end):
                           f"steps per epoch)?", stacklevel=3)
 
 
-def _agree_on_stops(run):
-    """A stop or save that any process asks for (a hook, a signal) holds for all, so every process
-    saves the same; a hook's stop (final) outranks a signal's (resumable)."""
-    kind = 0 if not run.stopping else 1 if run.stopping in _SIGNALS else 2
-    most, save = multihost_utils.process_allgather(np.array([kind, run.save], np.int32)).max(0)
-    run.save = bool(save)
-    if most > kind:
-        run.stopping = "SIGINT" if most == 1 else "a hook on another process"
-
-
-def _gathered(value):
-    """Every process's JSON-able `value`, by process index (a collective); one process: None."""
-    if jax.process_count() == 1:
-        return None
-    text = json.dumps(_jsonable(value)).encode()
-    size = int(np.asarray(multihost_utils.process_allgather(np.int32(len(text)))).max())
-    rows = multihost_utils.process_allgather(np.frombuffer(text.ljust(size), np.uint8))
-    return [json.loads(bytes(row).decode()) for row in np.asarray(rows)]
-
-
-def _agree(mine, what):
-    """Raises the same error in every process if their texts differ (a collective)."""
-    mine = mine.encode()
-    # A digest to compare, then the text to show (cut to a fixed length, as a gather needs).
-    row = np.frombuffer(hashlib.sha256(mine).digest() + mine[:2048].ljust(2048, b"\0"), np.uint8)
-    rows = np.asarray(multihost_utils.process_allgather(row))
-    if (rows[:, :32] == rows[0, :32]).all():
-        return
-    listed = "\n  ".join(f"process {i}: {bytes(r[32:]).rstrip(bytes(1)).decode(errors='replace')}"
-                         for i, r in enumerate(rows))
-    raise ValueError(f"fit: {what}:\n  {listed}\nEvery process must pass the same arrays (x, y) "
-                     f"with the global batch_size (fit takes each process's share), or feed the "
-                     f"same number of batches of the same shapes (its share of each global "
-                     f"batch), else the run hangs in a collective or trains on mismatched arrays.")
-
-
-# -- Advice: your functions checked as they are traced ----------------------------------------
+# -- Advice: your functions checked as they are traced ---------------------------------------------
 
 def _trace(fn, state, spec, config, fit_calls=False):
     """`fn(state, batch)`'s output shapes: checks your functions before any compile or directory,
@@ -3229,7 +3426,18 @@ def _warn_dtypes(new, old):
                       f"cast inside apply_fn or the model.")
 
 
-# -- The run's claim and lock ------------------------------------------------------------------
+def _check_frozen(after, before):
+    """At trace time: a step that changes an nnx.Param outside the optimizer's `wrt` (the base fit
+    passes to each step unchanged, and would not keep) raises, naming it."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(after), jax.tree.leaves(before)):
+        if a is not b:
+            raise ValueError(f"fit: the step changes {_path_name(path)}, an nnx.Param outside "
+                             f"the optimizer's wrt, which fit passes to every step as a frozen "
+                             f"base and does not keep; make it another nnx.Variable type (as "
+                             f"BatchStat), or train it (wrt).")
+
+
+# -- The run's claim and lock ----------------------------------------------------------------------
 
 def _claim_run(workdir, log_name, resume, claim=True):
     """`(name, whether it has a checkpoint, the lock)` of the run picked: a fresh run the next free
@@ -3242,11 +3450,7 @@ def _claim_run(workdir, log_name, resume, claim=True):
             answer = [name, restored, None, ""]
         except (ValueError, RuntimeError) as e:
             answer = ["", False, type(e).__name__, str(e)]
-    if jax.process_count() > 1:  # (a collective that every process reaches)
-        text = json.dumps(answer).encode()[:8192].ljust(8192)
-        text = multihost_utils.broadcast_one_to_all(np.frombuffer(text, np.uint8))
-        answer = json.loads(bytes(np.asarray(text)).decode())
-    name, restored, error, message = answer
+    name, restored, error, message = (_gathered(answer) or [answer])[0]  # (process 0's, for all)
     if error:
         raise (RuntimeError if error == "RuntimeError" else ValueError)(message)
     return name, restored, lock
@@ -3312,7 +3516,7 @@ def _lock(run_dir):
     return lock
 
 
-# -- Damaged checkpoints and failed saves ------------------------------------------------------
+# -- Checkpoints that do not fit or are damaged; failed saves --------------------------------------
 
 def _check_fits(stored, wanted, where):
     """Raises, naming each leaf, if a checkpoint's `stored` shapes (by path) differ from the state's
@@ -3326,6 +3530,18 @@ def _check_fits(stored, wanted, where):
         raise ValueError(f"{where} does not fit this state ({len(problems)} differences):\n  "
                          f"{listed}\nUse the model and optimizer of the run that wrote it, or "
                          f"start a fresh run (resume=False or another log_name).")
+
+
+def _check_base(saved, frozen, where):
+    """Raises, naming the first path that differs, if the model's frozen base is not the one
+    whose fingerprint a run saved (`save_frozen=False`)."""
+    mine = _fingerprint(frozen)
+    for path in sorted({*saved, *mine}):
+        if saved.get(path) != mine.get(path):
+            raise ValueError(f"{where} was saved without its frozen base (save_frozen=False), and "
+                             f"the model's base differs from that run's at {path}: "
+                             f"{mine.get(path)} here, {saved.get(path)} there ([shape, dtype, "
+                             f"checksum]); pass the model with the run's base.")
 
 
 @contextlib.contextmanager
@@ -3371,131 +3587,3 @@ def _quiet(ckpt_dir=None):
             "".join(traceback.format_exception(*record.exc_info)) if record.exc_info else "")
         return f"{os.sep}orbax{os.sep}" not in text and not (ckpt_dir and ckpt_dir in text)
     return quiet
-
-
-# -- Signals: SIGINT, SIGTERM and preemption notices -------------------------------------------
-
-_SIGNALS = ("SIGINT", "SIGTERM", "preemption")  # stops that a resume goes on from
-
-
-class _Signals:
-    """Why the run must stop. Ctrl-C or SIGTERM stops after the step with a checkpoint, resumably;
-    SIGTERM then exits 143, a second Ctrl-C aborts at once. One after the last step: SIGTERM exits
-    143, Ctrl-C raises KeyboardInterrupt, once the final checkpoint is committed. Off the main
-    thread fit cannot catch signals (it warns). With several processes JAX's preemption notifier
-    owns SIGTERM (one step for all) and takes Ctrl-C; without it, Ctrl-C on one process stops all
-    at the next log point."""
-
-    def __init__(self):
-        self.reason, self.asked, self.previous, self.forwarded = None, None, {}, False
-
-    def __enter__(self):
-        sigs = [signal.SIGINT] + ([signal.SIGTERM] if jax.process_count() == 1 else [])
-        if threading.current_thread() is not threading.main_thread():
-            warnings.warn("fit: called off the main thread, where Python lets no code catch "
-                          "signals: Ctrl-C and SIGTERM cannot stop this run with a checkpoint "
-                          "(resume=True goes on from its last one).", stacklevel=3)
-            return self
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in sigs}
-        return self
-
-    def _handle(self, sig, frame):
-        if (self.reason or self.asked or self.forwarded) and sig == signal.SIGINT:
-            raise KeyboardInterrupt
-        # With several processes, one stopping alone would leave the others in a collective.
-        if jax.process_count() == 1:
-            self.reason = signal.Signals(sig).name
-        elif jax.config.jax_enable_preemption_service:  # it picks one step for all
-            self.forwarded = True
-            signal.raise_signal(signal.SIGTERM)
-        else:  # asked of every process at the next log point (_Loop.poll)
-            self.asked = signal.Signals(sig).name
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    @staticmethod
-    def honour(stopping, late):
-        """After the run is closed: SIGTERM or preemption (a stop's, or one `late`, after the last
-        step) exits 143, what schedulers expect; a late Ctrl-C stops the script."""
-        if stopping in ("SIGTERM", "preemption") or late in ("SIGTERM", "preemption"):
-            raise SystemExit(128 + signal.SIGTERM)
-        if late == "SIGINT" and stopping not in _SIGNALS:
-            raise KeyboardInterrupt
-
-
-# -- Small helpers ------------------------------------------------------------------------------
-
-def _mean(name, total, weight, who, where):
-    """A metric's exact value over many batches: the sum of its totals over their weights."""
-    if math.isnan(weight):
-        raise ValueError(f"fit: metric {name!r} of {who} has a negative weight in {where}; a "
-                         f"Weighted(total, weight) needs weight >= 0 (e.g. a count of tokens).")
-    if not weight:
-        raise ValueError(f"fit: metric {name!r} of {who} has a total weight of 0 over {where} "
-                         f"(all padding?), so it has no value; give it real examples.")
-    return total / weight
-
-
-def _path_name(path):
-    """A tree path as `params/Dense_0/kernel`."""
-    return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-def _lr_in(tree):
-    """The learning rates that `optax.inject_hyperparams` keeps in an optimizer state: one as
-    `{"": lr}`, several (`optax.multi_transform`) by their labels (else paths); none: `{}`."""
-    is_array = lambda path, value: isinstance(value, (jax.Array, np.ndarray))
-    try:
-        found = optax.tree.get_all_with_path(tree, "learning_rate", filtering=is_array)
-    except Exception:  # (a state optax cannot search: no rate to log)
-        return {}
-    if len(found) == 1:
-        return {"": found[0][1]}
-    label = lambda path: [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)
-                          and k.key not in ("hyperparams", "learning_rate")][-1:]
-    labels = ["".join(label(path)) or _path_name(path[:-2]) for path, _ in found]
-    if len(set(labels)) < len(labels):
-        labels = [_path_name(path[:-2]) for path, _ in found]
-    return dict(zip(labels, [value for _, value in found]))
-
-
-def _is_nnx_state(state):
-    """Whether a TrainState is an nnx model's, as `_adapt` makes it (no apply_fn)."""
-    return getattr(state, "apply_fn", True) is None
-
-
-def _is_nnx(x):
-    nnx = sys.modules.get("flax.nnx")  # (no import: it costs runs without nnx ~0.3 s, ~9 MB)
-    return nnx is not None and isinstance(x, nnx.Module)
-
-
-def _is_key(x):
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _verbosity(verbose):
-    """0 on processes other than 0; TQDM_DISABLE=1 (tqdm's own switch) turns 1 into 2."""
-    if jax.process_index() != 0:
-        return 0
-    tqdm_off = os.environ.get("TQDM_DISABLE", "").lower() not in ("", "0", "false")
-    return 2 if verbose == 1 and tqdm_off else verbose
-
-
-def _name(fn):
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _itself(x, *_):
-    return x
-
-
-def _say(verbose, message):
-    if verbose:
-        tqdm.write(message)
-
-
-def _jsonable(tree):
-    as_json = lambda o: o.tolist() if hasattr(o, "tolist") else str(o)  # numpy values; the rest
-    return json.loads(json.dumps(tree, default=as_json))

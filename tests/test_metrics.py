@@ -275,9 +275,9 @@ def test_a_resumed_run_logs_the_same_evals_as_an_uninterrupted_one(one_set, data
 
 @pytest.fixture
 def reads(monkeypatch):
-    """`{set: jax.device_get calls}` during each `fit._evaluate` (one eval of one set)."""
+    """`{set: jax.device_get calls}` during each `fit._eval_set` (one eval of one set)."""
     counts, calls = {}, [0]
-    device_get, one_set_eval = jax.device_get, fit_module._evaluate
+    device_get, one_set_eval = jax.device_get, fit_module._eval_set
 
     def counting(tree):
         calls[0] += 1
@@ -290,7 +290,7 @@ def reads(monkeypatch):
         finally:
             counts[name] = calls[0] - before
     monkeypatch.setattr(jax, "device_get", counting)  # (fit.jax is the jax module)
-    monkeypatch.setattr(fit_module, "_evaluate", evaluate_one)
+    monkeypatch.setattr(fit_module, "_eval_set", evaluate_one)
     return counts
 
 

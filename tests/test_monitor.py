@@ -545,7 +545,8 @@ def hlo_counts(fm, model, mesh):
     steps = fm._build_steps(state, train, tests, config, mesh)
     batch = fm._putter(mesh, "data")((x[:32], y[:32]))
     train_hlo = steps.train.lower(state, steps.acc0, batch).compile().as_text()
-    eval_hlo = steps.eval[None].lower(state, steps.eval0[None], batch).compile().as_text()
+    evals = getattr(steps, "evals", None) or steps.eval  # (named eval before #43)
+    eval_hlo = evals[None].lower(state, steps.eval0[None], batch).compile().as_text()
     count = lambda hlo: sum(1 for line in hlo.splitlines() if " = " in line and not
                             line.lstrip().startswith(("HloModule", "//")))
     return count(train_hlo), count(eval_hlo)

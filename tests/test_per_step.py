@@ -36,7 +36,7 @@ def test_an_ordinary_step_calls_no_checks_shardings_or_process_queries(tmp_path,
     # (no log point, eval or save there), fit's per-batch work is the step, the put and the check.
     counts = _per_step_counts(os.path.join(os.path.dirname(HERE), "fit.py"), tmp_path)
     assert counts == {"_kinds": 0, "dtype.__str__": 0, "NamedSharding": 0, "process_count": 0,
-                      "_Meter.read": 0, "_Plan.due": 0}, counts
+                      "read": 0, "_Plan.due": 0}, counts
     # The counters see these calls: the fit.py before #28 made each of them at every step.
     old = fit_at(BEFORE, tmp_path, monkeypatch)
     counts = _per_step_counts(old.__file__, tmp_path)
