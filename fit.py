@@ -2849,12 +2849,11 @@ class _Clock:
         seconds, steps = self.steady_seconds(), step - self.first_step - self.spent_steps
         return steps / seconds if steps > 0 and seconds > 0 else None
 
-    def speed(self, step):
-        """Over the steady time of this call: `examples_per_s` (all processes' rows);
+    def speed(self, rate):
+        """At the steady `rate` (steps/s) of this call: `examples_per_s` (all processes' rows);
         `tokens_per_s` (a `Weighted` loss: its mean weight a step x steps/s); `tflops_per_s` per
         device; `mfu` (over the dense bf16 peak); `memory_gb` (a device's peak; not on CPU). None:
         not known (no steady step yet)."""
-        rate = self.steady_rate(step)
         # Every figure is its mean per step x steps/s, so all cover the same steps (the rows and
         # FLOPs are summed as calls are dispatched, one call past a log point's step).
         per_step = lambda total, n: rate and n and total / n * rate or None
@@ -2875,7 +2874,7 @@ class _Clock:
         now, rate, out = time.perf_counter(), self.steady_rate(step), {}
         if rate:
             out["perf/steps_per_s"] = rate
-            out |= {f"perf/{k}": v for k, v in self.speed(step).items() if v is not None}
+            out |= {f"perf/{k}": v for k, v in self.speed(rate).items() if v is not None}
         waited = self.spent["data"][0] - self.data_logged
         out["perf/data_wait_fraction"] = waited / max(now - self.t_logged, 1e-9)
         if self.spent["compile"][0] > self.compile_shown:
@@ -2884,15 +2883,15 @@ class _Clock:
         return out
 
     def timing(self, step):
-        now = time.perf_counter()
+        now, rate = time.perf_counter(), self.steady_rate(step)
         zero = (0.0, 0)  # (hooks_s: your hooks' time, also that within saves)
         parts = {k: [a + b for a, b in zip(self.spent.get(k, zero), self.within.get(k, zero))]
                  for k in {**self.spent, **self.within}}
         return {**{f"{k}_s": s for k, (s, _) in parts.items()},
                 **{f"{k}_count": n for k, (_, n) in parts.items() if k != "data"},
                 "close_s": now - (self.t_end or now), "steps": step - self.first_step,
-                "steady_steps_per_s": self.steady_rate(step), "wall_s": now - self.t0,
-                **self.speed(step), **self.estimate}
+                "steady_steps_per_s": rate, "wall_s": now - self.t0, **self.speed(rate),
+                **self.estimate}
 
 
 class _Loop:
