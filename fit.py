@@ -34,8 +34,9 @@ sets, each logged as `eval/<name>/<metric>`), and `eval_metrics` computed in Pyt
 
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
 that order, each opened by a banner comment; the guards come last, below a banner that names who
-calls them. One training step, from `fit` to the device and back: `fit`'s loop, `_Dispatch`,
-`_train_and_accumulate` (the bookkeeping), `_default_train_step`, `_gradient_step` (the math),
+calls them. One training step, from `fit` to the device and back: `fit`'s loop, `_Dispatch`
+(its call of the step `_new_steps` compiled), `_train_and_accumulate` (the bookkeeping),
+`_default_train_step` and `_gradient_step` (the math), then at a log point `_Loop.log` and
 `_Readings.read` (the sums, one call late). The map, by job:
 
     TrainState, Weighted, lr_schedule  public building blocks; ema, the weights' average
@@ -235,7 +236,8 @@ class Options:
     nnx_loss_fn: `(model, batch, rngs) -> loss or (loss, metrics)`, instead of `loss_fn`, for an
         nnx model called its own way; `rngs` is an `nnx.Rngs` of the step's key.
     num_epochs=1: epochs to train; resumed with a larger value, the run goes on.
-    max_steps: steps to train in all, stopping mid-epoch if need be (see fit).
+    max_steps: the step to stop at, mid-epoch if need be, counting the state's own steps (a
+        loaded state already there trains nothing; see fit).
     steps_per_epoch: batches per epoch, for data without `len()` (a generator: one stream).
     batch_size: for arrays `(x, y)`, which fit batches (the last batch may be smaller).
     batch_keys: `(inputs_key, targets_key)` of dict batches; every function then gets pairs.
@@ -746,7 +748,7 @@ class TensorBoard:
             events.add_event = events._ev_writer.write_event
             events.add_event(Event(step=purge, file_version="brain.Event:2"))
             events.add_event(Event(step=purge, session_log=SessionLog(status=SessionLog.START)))
-            if run.step == 0:  # once a run, so a crashed run shows them too; no experiment
+            if not run.resumed:  # once a run, so a crashed run shows them too; no experiment
                 # summary: with one per run, TensorBoard hides the other runs' columns
                 self.writer.file_writer.add_summary(hparams_summaries(self.hparams, {})[1])
             if run.changed:  # (the HParams tab keeps the first call's values)
@@ -1111,7 +1113,7 @@ class _Data:
     exactly for arrays, re-iterables, grain-style iterators and deterministic one-shot streams."""
 
     def __init__(self, ds, name, opts, train, eval_steps=None, *, mesh=None):
-        self.name, self.shuffle, self.seed = name, train, opts.seed
+        self.name, self.train_set, self.seed = name, train, opts.seed
         # (this process's share of a global batch: `_share`; all of it without a mesh)
         self.share = _share(mesh, _batch_axes(opts)) if mesh else (0, 1)
         self.keys = opts.batch_keys  # (custom functions take batches as they come)
@@ -1264,7 +1266,7 @@ class _Data:
         """One epoch's `(batch, position)`, skipping `skip` batches (trained before a resume)."""
         if self.arrays:  # (the order of all the rows: the same on every process)
             order = np.arange(len(self.x))
-            if self.shuffle:
+            if self.train_set:  # (the train set is shuffled each epoch)
                 order = np.random.default_rng([self.seed, epoch]).permutation(order)
             yield from ((self._batch(order, i), (i + 1, None)) for i in range(skip, self.length))
             return
@@ -1282,7 +1284,7 @@ class _Data:
         limit, done = self.cap - skip if self.cap else None, skip
         for done, (raw, position) in enumerate(itertools.islice(pairs, limit), skip + 1):
             yield self._convert(raw, done - 1), (done, position)
-        if done == skip and self.shuffle:  # (train_ds; an empty eval says so itself)
+        if done == skip and self.train_set:  # (an empty eval set says so itself)
             raise ValueError(f"fit: {self.name} yielded no batches in epoch {epoch + 1}; pass a "
                              f"re-iterable (a list, a loader) or steps_per_epoch=.")
 
@@ -1378,7 +1380,7 @@ def _prefetch(batches, put, size=2):
         yield *queue.popleft(), not queue
 
 
-# -- The step's math: one gradient step, pure, the function to edit --------------------------------
+# -- The train step: its math, pure (the function to edit), then fit's bookkeeping around it -------
 
 def _default_train_step(config):
     """fit's own train step: the step's key (each device its own with `axis_name`, where the step
@@ -1523,7 +1525,129 @@ def _as_dict(metrics, default):
     return metrics if isinstance(metrics, dict) else {default: metrics}
 
 
-# -- The compiled steps, built from _StepConfig and cached; the train step's bookkeeping -----------
+_StepParts = collections.namedtuple("_StepParts", "step_fn sums lr_of config")  # (of one step)
+
+
+def _step_values(step_fn, state, batch):
+    """One step, and the values the train sums add up for it, `{name: a mean or Weighted}`, each
+    logged as its interval's mean, `train/<name>`: a per-step quantity added here is summed and
+    logged with them. One named `grad_norm/...` or `param_norm/...` (`_is_norm`, e.g. a layer's
+    norm by `_log_norm`) is logged as its log step's value instead."""
+    new_state, metrics = step_fn(state, batch)
+    return new_state, _as_dict(metrics, "loss")
+
+
+def _train_and_accumulate(parts, state, acc, batch, frozen=None):
+    """One train step plus the on-device bookkeeping: the sums (`_TrainSums`), non-finite steps
+    (dropped with `on_nonfinite="skip"`), the lr, a log step's norms. `frozen`: an nnx model's
+    frozen base, passed beside the state, neither donated nor returned."""
+    config, skip, state = parts.config, parts.config.skip, _joined(state, frozen)
+    new_state, metrics = parts.step_fn(state, batch)
+    _warn_dtypes(new_state, state)
+    # "skip" checks the whole state every step, to drop an update that makes it non-finite.
+    norm = _param_norm(new_state) if skip else _log_norm(state, config, new_state.params)
+    norms = jnp.array([metrics.get(k, norm if k == "param_norm" else 0.0)
+                       for k in parts.sums.norms], jnp.float32)
+    values = _totals_and_weights([metrics[k] for k in parts.sums.names], 1)
+    finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
+    if skip:  # keep the old state on device, no host round trip; the step counts on
+        new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
+        new_state = new_state.replace(step=state.step + 1)
+        values = jnp.where(finite, values, 0.0)  # (its weights too)
+    # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
+    new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
+    lr = None if parts.lr_of is None else parts.lr_of(new_state)
+    return _parted(new_state, frozen), parts.sums.add(acc, values, norms, lr, finite=finite,
+                                                      kept=finite | (not skip),
+                                                      at_log=_at_log(state, config),
+                                                      step=state.step)
+
+
+_NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
+
+
+def _is_norm(name):
+    """Whether a train metric is logged as its log step's value, not a mean: `grad_norm`,
+    `param_norm`, and any `grad_norm/...` or `param_norm/...` (a layer's, `_log_norm`'s)."""
+    return name.split("/")[0] in _NORMS
+
+
+class _TrainSums:
+    """The train steps' sums, one layout: made from the step's metric names, its log-step values'
+    (the norms) and its learning rates' labels, added to in the compiled step (`add`), read on the
+    host at log points (`read`). Two arrays, as on XLA's CPU every small op and output costs
+    microseconds: `sums` (float32) [each metric's total, each one's weight (a mean: 1 a step), a
+    log step's norms and 1 once set, the lrs]; `count` (int32) [steps summed, non-finite steps,
+    the first of them]."""
+
+    def __init__(self, names, lrs=(), norms=_NORMS):
+        self.names, self.lrs, self.norms = tuple(names), tuple(lrs), tuple(norms)  # (lrs: ""
+        n, m = len(self.names), len(self.norms)  # for one, else by label)
+        # The parts of `sums`, where each starts and ends: its one layout.
+        self.parts = dict(zip(("totals", "weights", "norms", "lrs"), (
+            slice(0, n), slice(n, 2 * n), slice(2 * n, 2 * n + m + 1), slice(2 * n + m + 1, None))))
+        self.size = 2 * n + m + 1 + max(len(self.lrs), 1)
+
+    def zeros(self):
+        return {"sums": np.zeros(self.size, np.float32), "count": np.zeros(3, np.int32)}
+
+    def add(self, acc, values, norms, lr, *, finite, kept, at_log, step):
+        """Traced: a step's [2, n] totals and weights `values`, its norms (kept at a log step),
+        its lrs (None: none known), whether it was `finite` and `kept` (summed)."""
+        (steps, n_bad, first_bad), sums = acc["count"], acc["sums"]
+        totals, weights, old_norms, old_lr = (sums[self.parts[k]] for k in self.parts)
+        lr = old_lr if lr is None else jnp.reshape(lr, -1).astype(jnp.float32)
+        first_bad = jnp.where((n_bad == 0) & ~finite, step.astype(jnp.int32), first_bad)
+        count = jnp.stack([steps + kept, n_bad + ~finite, first_bad])
+        # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
+        norms = jnp.where(at_log & kept, jnp.append(norms, 1.0), old_norms)
+        sums = jnp.concatenate([totals + values[0], weights + values[1], norms, lr])
+        return {"sums": sums, "count": count.astype(jnp.int32)}
+
+    def read(self, acc):
+        """On the host: `(steps, non-finite steps, the first, {name: [total, weight]}, the log
+        step's {norm: value} or None, {train/lr tag: value})`."""
+        sums = {k: acc["sums"][part].tolist() for k, part in self.parts.items()}
+        steps, n_bad, first_bad = (int(v) for v in acc["count"])
+        values = {k: [t, w] for k, t, w in zip(self.names, sums["totals"], sums["weights"])}
+        lrs = {f"train/lr/{k}".rstrip("/"): v for k, v in zip(self.lrs, sums["lrs"])}
+        norms = dict(zip(self.norms, sums["norms"]))  # (its last: 1 once set)
+        return steps, n_bad, first_bad, values, sums["norms"][-1] and norms, lrs
+
+
+def _at_log(state, config):
+    """Whether the step that `state` goes into ends at a multiple of `log_every`."""
+    return (state.step + 1) % config.log_every == 0
+
+
+def _param_norm(state):
+    """The parameters' norm, or NaN if any floating leaf of the state is NaN (a nested TrainState,
+    the optimizer's moments): finite means fit may save the state. (+-inf stays legitimate outside
+    the params: optax's reduce_on_plateau starts at inf.)"""
+    nan = [jnp.isnan(x).any() for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype,
+                                                                               jnp.inexact)]
+    return jnp.where(functools.reduce(jnp.logical_or, nan, False), jnp.nan,
+                     optax.tree.norm(state.params))
+
+
+def _log_norm(state, config, tree):
+    """The norm of `tree` at log steps, else 0 (or computed anyway): a pass over every parameter
+    and gradient each step cost a tiny MLP 3-10% of its speed on a CPU."""
+    norm = lambda tree: jnp.asarray(optax.tree.norm(tree), jnp.float32)
+    if config.norms_every_step:
+        return norm(tree)
+    return jax.lax.cond(_at_log(state, config), norm, lambda tree: jnp.float32(0), tree)
+
+
+def _totals_and_weights(metrics, rows):
+    """Metrics as one [2, n] array of totals and weights: a `Weighted` as given (a negative
+    weight becomes NaN, which the host reports), a plain mean `m` as `(rows * m, rows)`."""
+    pairs = [(m.total, jnp.where(m.weight >= 0, m.weight, jnp.nan)) if isinstance(m, Weighted)
+             else (rows * m, rows) for m in metrics]
+    return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
+
+
+# -- The compiled steps, built from _StepConfig and cached -----------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class _StepConfig:
@@ -1635,14 +1759,14 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     metrics = _trace(step_fn, _joined(state, frozen), train_data.spec, config,
                      not own and "train")[1]
     traced = _metric_names(metrics, who, "loss")
-    names = [k for k in traced if k not in _NORMS]  # (the norms are not summed: _log_norm)
-    norms = [k for k in _NORMS if k in traced or k == "param_norm"]
+    names = [k for k in traced if not _is_norm(k)]  # (the norms are not summed: _log_norm)
+    norms = [k for k in (*_NORMS, *traced) if (k in traced or k == "param_norm") and _is_norm(k)]
     # The lrs a step used, from the state after it: lr_fn(step), or inject_hyperparams' values.
     lrs = [""] if config.lr_fn is not None else list(_lr_in(state.opt_state))
     lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn is not None else (
         lambda s: jnp.stack(list(_lr_in(s.opt_state).values()))) if lrs else None
-    one = functools.partial(_train_and_accumulate, _StepParts(step_fn, _TrainSums(names, lrs),
-                                                              lr_of, config))
+    sums = _TrainSums(names, lrs, norms=_NORMS + tuple(k for k in norms if k not in _NORMS))
+    one = functools.partial(_train_and_accumulate, _StepParts(step_fn, sums, lr_of, config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
     # k steps per call: a scan over a stacked group of k batches (the frozen base outside it).
@@ -1652,8 +1776,8 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     eval_fns, eval_sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)  # (after:
     # the train step's advice first)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
-    return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=one.args[0].sums,
-                  train_names=names + norms, eval_sums=eval_sums,
+    return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=sums,
+                  train_names=names + list(dict.fromkeys(norms)), eval_sums=eval_sums,
                   weighted_loss=isinstance(metrics.get("loss"), Weighted))
 
 
@@ -1674,118 +1798,6 @@ def _under(mesh, fn):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return fn(*args)
     return traced
-
-
-_StepParts = collections.namedtuple("_StepParts", "step_fn sums lr_of config")  # (of one step)
-
-
-def _step_values(step_fn, state, batch):
-    """One step, and the values the train sums add up for it, `{name: a mean or Weighted}`, each
-    logged as its interval's mean, `train/<name>` (`grad_norm`, `param_norm`: their log step's):
-    a per-step quantity added here is summed and logged with them."""
-    new_state, metrics = step_fn(state, batch)
-    return new_state, _as_dict(metrics, "loss")
-
-
-def _train_and_accumulate(parts, state, acc, batch, frozen=None):
-    """One train step plus the on-device bookkeeping: the sums (`_TrainSums`), non-finite steps
-    (dropped with `on_nonfinite="skip"`), the lr, a log step's norms. `frozen`: an nnx model's
-    frozen base, passed beside the state, neither donated nor returned."""
-    config, skip, state = parts.config, parts.config.skip, _joined(state, frozen)
-    new_state, metrics = parts.step_fn(state, batch)
-    _warn_dtypes(new_state, state)
-    # "skip" checks the whole state every step, to drop an update that makes it non-finite.
-    norm = _param_norm(new_state) if skip else _log_norm(state, config, new_state.params)
-    norms = jnp.array([metrics.get("grad_norm", 0.0), metrics.get("param_norm", norm)], jnp.float32)
-    values = _totals_and_weights([metrics[k] for k in parts.sums.names], 1)
-    finite = jnp.all(jnp.isfinite(values[0])) & (jnp.isfinite(norm) | (not skip))
-    if skip:  # keep the old state on device, no host round trip; the step counts on
-        new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, state)
-        new_state = new_state.replace(step=state.step + 1)
-        values = jnp.where(finite, values, 0.0)  # (its weights too)
-    # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
-    new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
-    lr = None if parts.lr_of is None else parts.lr_of(new_state)
-    return _parted(new_state, frozen), parts.sums.add(acc, values, norms, lr, finite=finite,
-                                                      kept=finite | (not skip),
-                                                      at_log=_at_log(state, config),
-                                                      step=state.step)
-
-
-_NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
-
-
-class _TrainSums:
-    """The train steps' sums, one layout: made from the step's metric names and its learning
-    rates' labels, added to in the compiled step (`add`), read on the host at log points (`read`).
-    Two arrays, as on XLA's CPU every small op and output costs microseconds: `sums` (float32)
-    [each metric's total, each one's weight (a mean: 1 a step), a log step's grad_norm and
-    param_norm and 1 once set, the lrs]; `count` (int32) [steps summed, non-finite steps, the
-    first of them]."""
-
-    def __init__(self, names, lrs=()):
-        self.names, self.lrs = tuple(names), tuple(lrs)  # (lrs: "" for one, else by label)
-
-    def zeros(self):
-        return {"sums": np.zeros(2 * len(self.names) + 3 + max(len(self.lrs), 1), np.float32),
-                "count": np.zeros(3, np.int32)}
-
-    def add(self, acc, values, norms, lr, *, finite, kept, at_log, step):
-        """Traced: a step's [2, n] totals and weights `values`, its [grad_norm, param_norm] (kept
-        at a log step), its lrs (None: none known), whether it was `finite` and `kept` (summed)."""
-        n, (steps, n_bad, first_bad) = len(self.names), acc["count"]
-        sums = acc["sums"]
-        totals, weights, old_norms, old_lr = (sums[:n], sums[n:2 * n], sums[2 * n:2 * n + 3],
-                                              sums[2 * n + 3:])
-        lr = old_lr if lr is None else jnp.reshape(lr, -1).astype(jnp.float32)
-        first_bad = jnp.where((n_bad == 0) & ~finite, step.astype(jnp.int32), first_bad)
-        count = jnp.stack([steps + kept, n_bad + ~finite, first_bad])
-        # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
-        norms = jnp.where(at_log & kept, jnp.append(norms, 1.0), old_norms)
-        sums = jnp.concatenate([totals + values[0], weights + values[1], norms, lr])
-        return {"sums": sums, "count": count.astype(jnp.int32)}
-
-    def read(self, acc):
-        """On the host: `(steps, non-finite steps, the first, {name: [total, weight]}, the log
-        step's [grad_norm, param_norm] or None, {train/lr tag: value})`."""
-        n, sums = len(self.names), acc["sums"].tolist()
-        steps, n_bad, first_bad = (int(v) for v in acc["count"])
-        grad_norm, param_norm, is_set = sums[2 * n:2 * n + 3]
-        values = {k: [t, w] for k, t, w in zip(self.names, sums[:n], sums[n:2 * n])}
-        lrs = {f"train/lr/{k}".rstrip("/"): v for k, v in zip(self.lrs, sums[2 * n + 3:])}
-        return steps, n_bad, first_bad, values, is_set and [grad_norm, param_norm], lrs
-
-
-def _at_log(state, config):
-    """Whether the step that `state` goes into ends at a multiple of `log_every`."""
-    return (state.step + 1) % config.log_every == 0
-
-
-def _param_norm(state):
-    """The parameters' norm, or NaN if any floating leaf of the state is NaN (a nested TrainState,
-    the optimizer's moments): finite means fit may save the state. (+-inf stays legitimate outside
-    the params: optax's reduce_on_plateau starts at inf.)"""
-    nan = [jnp.isnan(x).any() for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype,
-                                                                               jnp.inexact)]
-    return jnp.where(functools.reduce(jnp.logical_or, nan, False), jnp.nan,
-                     optax.tree.norm(state.params))
-
-
-def _log_norm(state, config, tree):
-    """The norm of `tree` at log steps, else 0 (or computed anyway): a pass over every parameter
-    and gradient each step cost a tiny MLP 3-10% of its speed on a CPU."""
-    norm = lambda tree: jnp.asarray(optax.tree.norm(tree), jnp.float32)
-    if config.norms_every_step:
-        return norm(tree)
-    return jax.lax.cond(_at_log(state, config), norm, lambda tree: jnp.float32(0), tree)
-
-
-def _totals_and_weights(metrics, rows):
-    """Metrics as one [2, n] array of totals and weights: a `Weighted` as given (a negative
-    weight becomes NaN, which the host reports), a plain mean `m` as `(rows * m, rows)`."""
-    pairs = [(m.total, jnp.where(m.weight >= 0, m.weight, jnp.nan)) if isinstance(m, Weighted)
-             else (rows * m, rows) for m in metrics]
-    return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
 
 
 # -- The eval steps: each set's metrics summed on device, in one layout (_EvalSums) ----------------
@@ -1995,8 +2007,8 @@ def _pick_monitor(monitor, mode, train_names, eval_names, averaged=False):
     if monitor is None:
         first, metrics = next(iter(eval_names.items()), (None, []))
         preferred = [n for n in ("accuracy", "loss") if n in metrics] + metrics
-        own = [f"train/{n}" for n in ("loss", *train_names) if n in train_names and n not in
-               _NORMS and (mode != "auto" or _mode_of(n))]  # (one whose name tells its mode)
+        own = [f"train/{n}" for n in ("loss", *train_names) if n in train_names and not
+               _is_norm(n) and (mode != "auto" or _mode_of(n))]  # (whose name tells its mode)
         monitor = _metric_tag("eval", first, preferred[0]) if preferred else own and own[0]
         if not monitor:
             return None, None
@@ -2101,7 +2113,8 @@ class _Progress:
         saved stale, with the value of the first call)."""
         fields = {f.name for f in dataclasses.fields(self)} - {*self.CALL, *self.RUN}
         if moving.keys() != fields:
-            raise TypeError(f"_Progress.saving: got {sorted(moving)}, not {sorted(fields)}.")
+            raise TypeError(f"_Progress.saving: got {sorted(moving)}, not {sorted(fields)}: a "
+                            f"field that moves is given at each save, in _Loop.checkpoint.")
         vars(self).update(moving)
 
     def final(self, num_epochs, max_steps):
@@ -2445,15 +2458,21 @@ def _part(tree, like):
 
 
 def _fingerprint(frozen):
-    """A frozen base's identity, `{path: [shape, dtype, checksum]}`: the checksum is its bit
-    patterns, each times an odd weight of its position (a permutation changes it), summed modulo
-    2**32: exact and free of the summation's order, so the same on any device count."""
+    """A frozen base's identity, `{path: [shape, dtype, checksum]}`: the checksum sums, modulo
+    2**32, a hash of each element's bits and position (murmur3's mixer: a permutation or a change
+    of any bit moves it), exact and free of the summation's order: the same on any device count."""
+    def mix(h):  # (every bit of h reaches every bit of the result; uint32 products wrap)
+        h = (h ^ (h >> 16)) * np.uint32(0x85EBCA6B)
+        h = (h ^ (h >> 13)) * np.uint32(0xC2B2AE35)
+        return h ^ (h >> 16)
+
     def checksum(x):
         bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
         at = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0) if x.ndim else jnp.uint32(0)
         for axis in range(1, x.ndim):  # (the flat index, row-major)
             at = at * x.shape[axis] + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
-        return jnp.sum(bits.astype(jnp.uint32) * (2 * at + 1), dtype=jnp.uint32)
+        return jnp.sum(mix(bits.astype(jnp.uint32) ^ mix(at + np.uint32(0x9E3779B9))),
+                       dtype=jnp.uint32)
     sums = jax.device_get(jax.jit(lambda tree: jax.tree.map(checksum, tree))(frozen))
     return {_path_name(p): [list(x.shape), str(x.dtype), int(c)] for (p, x), c in zip(
         jax.tree_util.tree_leaves_with_path(frozen), jax.tree.leaves(sums))}
@@ -2465,7 +2484,8 @@ class _Run:
     call after `step`, whose interval `metrics` covers), `metrics`, `history`, `name`, `id` (the
     same on every resume, e.g. for `wandb.init(id=run.id, resume="allow")`), `monitor`, `mode`,
     `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`, `stopped_early`,
-    `interrupted`; `arrays` (at `eval`: array metrics, e.g. a confusion matrix, `{tag: ndarray}`;
+    `interrupted`, `resumed`, `frozen` (an nnx model's frozen base, which `state` leaves out, or
+    None); `arrays` (at `eval`: array metrics, e.g. a confusion matrix, `{tag: ndarray}`;
     `metrics` holds floats only, so `json.dumps(run.metrics)` works). A hook may set `stop` (final),
     `save`, and at train_end `state`; assigning `state` elsewhere or changing `metrics` raises (fit
     has logged and ranked them: compute a metric with `eval_metrics=`). `with run.timed(name):`
@@ -2481,6 +2501,7 @@ class _Run:
         self.changed = progress.changed  # (the options a resume changed: TensorBoard shows them)
         self.monitor, self.mode = best.monitor, best.mode
         self.log_dir, self.ckpt_dir, self.writer = ckpts.log_dir, ckpts.ckpt_dir, None
+        self.frozen, self.resumed = ckpts.frozen, ckpts.resumed  # (the nnx base; a resumed run)
         # The run's name, and an id that no other workdir's run of that name has (for trackers)
         where = hashlib.sha256(os.path.abspath(ckpts.ckpt_dir).encode()).hexdigest()[:8]
         self.name, self.id = ckpts.run, f"{ckpts.run}-{where}"
@@ -2730,9 +2751,9 @@ class _Readings:
             self._nonfinite(f"values (NaN or Inf) in {what} at step {first_bad + 1} (checked by "
                             f"step {step})")
         if norms:  # (a log step's)
-            self.norms = {f"train/{k}": v for k, v in zip(_NORMS, norms)
-                          if k in self.steps.train_names}
-            self.check(step, norms[1] if math.isfinite(norms[0]) else norms[0])
+            self.norms = {f"train/{k}": v for k, v in norms.items() if k in self.steps.train_names}
+            grad, param = norms["grad_norm"], norms["param_norm"]
+            self.check(step, param if math.isfinite(grad) else grad)
         self.clock.sums_read(n, values.get("loss", (0, 0))[1])
         for part in (self.sums["log"], self.sums["epoch"]):
             part[0] += n
@@ -2786,6 +2807,10 @@ _PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H2
                 ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0), ("TPU v3", 123.0))
 
 
+def _peak_tflops(device_kind):
+    return next((peak for name, peak in _PEAK_TFLOPS if name in device_kind), None)
+
+
 class _Clock:
     """Time and speed: what the steady rate leaves out (compiles, evals, saves, the last commit,
     your hooks), the steady rate, the speed figures of a log point, and `timing`, the run's."""
@@ -2802,8 +2827,7 @@ class _Clock:
         self.rows = self.flops = self.tokens = 0.0
         self.counted = self.summed = 0
         self.weighted = steps.weighted_loss and "loss" in steps.train_sums.names
-        kind = jax.local_devices()[0].device_kind
-        self.peak = opts.peak_tflops or next((p for name, p in _PEAK_TFLOPS if name in kind), None)
+        self.peak = opts.peak_tflops or _peak_tflops(jax.local_devices()[0].device_kind)
         # XLA's memory estimate of the compiled step, per device (the largest shape's: _Dispatch)
         self.estimate = dict.fromkeys(("step_argument_bytes", "step_output_bytes",
                                        "step_temp_bytes"))
@@ -3286,11 +3310,13 @@ def _check_plan(opts, train_data, eval_data, total):
                          f"batches of the stream each epoch, or max_steps= for an endless one.")
     evals = (math.ceil(total / opts.eval_every) if total else 2) if opts.eval_every else \
         math.ceil(opts.num_epochs / opts.eval_freq)
+    reads = evals * (1 + bool(opts.eval_metrics))  # (eval_metrics read a set again)
     for test in eval_data.values():
-        if test.stream and evals > 1:
+        if test.stream and reads > 1:
             raise ValueError(f"fit: {test.name} is a one-shot iterator (a generator), read only "
-                             f"once, but this run evaluates about {evals} times; pass a "
-                             f"re-iterable (a list, a loader, arrays (x, y) with batch_size=).")
+                             f"once, but this run reads it about {reads} times (evals, "
+                             f"eval_metrics); pass a re-iterable (a list, a loader, arrays (x, y) "
+                             f"with batch_size=).")
 
 
 def _check_schedule(state, opts, end):
@@ -3422,7 +3448,7 @@ def _warn_dtypes(new, old):
         warnings.warn(f"fit: the train step changes the dtype of {len(changed)} state leaves "
                       f"(e.g. {path}: {new_dtype}, where the state holds {old_dtype}); fit casts "
                       f"them back. Build the state in the dtype to keep; for mixed precision "
-                      f"cast inside apply_fn or the model.")
+                      f"cast inside apply_fn or the model (or in fit's _gradient_step).")
 
 
 def _check_frozen(after, before):

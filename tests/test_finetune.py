@@ -199,10 +199,17 @@ def eight(tmp_path_factory):
     caller_values = {k: np.asarray(x) for k, x in caller.items()}
     seen = {}
 
+    built = []  # the steps of the run (fit's own `_build_steps`, recorded)
+
+    def record(*args, **kwargs):
+        built.append(real_build(*args, **kwargs))
+        return built[-1]
+    real_build = fit._build_steps
+
     def look(event, run):
         if event != "log" or seen:
             return
-        steps = run.meter.steps
+        steps = built[-1]
         placed = steps.put(DATA[0])
         seen["spec"] = placed[0].sharding.spec
         seen["shard_rows"] = placed[0].addressable_data(0).shape[0]
@@ -212,8 +219,9 @@ def eight(tmp_path_factory):
         seen["paths"] = (sorted(frozen), sorted(caller))
         seen["same_buffers"] = {k: pointers(frozen[k]) == pointers(caller[k]) for k in caller}
 
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, pytest.MonkeyPatch.context() as patch:
         warnings.simplefilter("always")
+        patch.setattr(fit, "_build_steps", record)
         history = train(model, opt, mesh, tmp_path_factory.mktemp("eight"),
                         batch_axes=("data", "fsdp"), save_frozen=False, hooks=[look])
     return dict(arrays=nnx_arrays(model, opt), adapters=adapters(model), seen=seen,
@@ -394,7 +402,7 @@ def test_an_fsdp_axis_left_out_of_batch_axes_is_said_once(default_axes):
 # 2. The frozen base, held once
 
 def test_the_step_reads_the_callers_base_buffers_and_leaves_them_alive(eight):
-    """The base fit passes to the step (`run.meter.steps.frozen`, read by a hook during training)
+    """The base fit passes to the step (`run.frozen`, read by a hook during training)
     has the caller's paths, and every shard of every leaf is the caller's own device buffer (the
     caller's arrays are sharded on the mesh already: no copy). After fit those arrays are not
     deleted (the base is never donated) and hold their values, and so does the model's base.
