@@ -464,7 +464,7 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
                   f"{ckpts.logs}")
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
-    # device and read at log points, one step late, when the device has finished them.
+    # device and read at log points, one call late, when the device has finished them.
     try:
         with _Signals() as signals:
             ckpts.open()
@@ -2095,16 +2095,16 @@ class _Progress:
                              f" and {batching[1]}: resume it with its own batch size{option} and "
                              f"data, or start a fresh run (resume=False).")
 
-    def go_on(self, saved):
-        """This call's progress from a checkpoint's (`saved`), keeping this call's
+    def go_on(self, prior):
+        """This call's progress from a checkpoint's (`prior`), keeping this call's
         target, seed, batching and options; a hook's stop holds only if the run goes no further
         than that one did. Options that differ from the saved call's are recorded."""
         for name in {f.name for f in dataclasses.fields(self)} - set(self.CALL):
-            setattr(self, name, getattr(saved, name))
-        if saved.positions and len(saved.positions) == jax.process_count():  # (each its own)
-            self.position = saved.positions[jax.process_index()]
-        self.stop = saved.stop if saved.final(*self.target) else None
-        before, now = saved.options or {}, self.options or {}
+            setattr(self, name, getattr(prior, name))
+        if prior.positions and len(prior.positions) == jax.process_count():  # (each its own)
+            self.position = prior.positions[jax.process_index()]
+        self.stop = prior.stop if prior.final(*self.target) else None
+        before, now = prior.options or {}, self.options or {}
         self.changed = {k: (before.get(k), now.get(k)) for k in sorted({*before, *now})
                         if before and before.get(k) != now.get(k)}
 
@@ -2194,7 +2194,7 @@ class _Checkpoints:
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
         self.monitor, self.best, self.progress = best.monitor, best, progress
         self.interval, self.last_time = opts.ckpt_interval, time.monotonic()
-        self.mgr, self.saved, self.good, self.calls = None, None, None, 0
+        self.mgr, self.latest, self.good, self.calls = None, None, None, 0  # (latest: its step)
         self.processes, self.writing = jax.process_count(), False  # (writing: a save in flight)
         self.quiet = _quiet()  # (orbax's logged reports of failures, while the run is open)
         # An nnx model's frozen base: saved with the state, or (save_frozen=False) its
@@ -2209,13 +2209,13 @@ class _Checkpoints:
         if not self.resumed:
             return state
         self.open()
-        self.saved = self.good = self.mgr.latest_step()
+        self.latest = self.good = self.mgr.latest_step()
         try:
-            state, meta, self.frozen = _restore_all(self.mgr, self.saved, state, "fit",
+            state, meta, self.frozen = _restore_all(self.mgr, self.latest, state, "fit",
                                                     frozen=self.frozen)
-            saved = _Progress.read(meta)
-            saved.check(self.run, self.progress.seed, self.progress.batching)
-            self.progress.go_on(saved)
+            prior = _Progress.read(meta)
+            prior.check(self.run, self.progress.seed, self.progress.batching)
+            self.progress.go_on(prior)
         except BaseException:
             self.close()  # (the manager's threads and fit's log filter end with it)
             raise
@@ -2255,13 +2255,13 @@ class _Checkpoints:
             if not saved:  # (orbax refuses a step at or below the latest it lists)
                 raise RuntimeError(f"orbax refused to save step {step}: its latest step is "
                                    f"{self.mgr.latest_step()}")
-        self.saved, self.last_time, self.writing = step, time.monotonic(), True
+        self.latest, self.last_time, self.writing = step, time.monotonic(), True
 
     def wait(self):
         if self.mgr is not None:
-            with self._failure(self.saved):
+            with self._failure(self.latest):
                 self.mgr.wait_until_finished()
-            self.good, self.writing = self.saved, False
+            self.good, self.writing = self.latest, False
 
     @contextlib.contextmanager
     def _failure(self, step):
@@ -2981,7 +2981,7 @@ class _Loop:
         """A checkpoint of this step (asynchronous) with all the run depends on (`_Progress`);
         first the metrics are read and the parameters checked, so a NaN state is never written."""
         run, readings = self.run, self.readings
-        if step == self.ckpts.saved:
+        if step == self.ckpts.latest:
             return
         self.log(state, step, epoch, sync=True)
         with run.clock.timed("save"):  # (the check, the hooks and orbax's blocking part)
