@@ -22,10 +22,7 @@ Everything but (7) fails on 5402c9f's fit.py (it has no `eval_metrics`, no `_ste
 of `run.metrics`, no checkpoint for a train monitor's best, and defaults to `train/loss`).
 Models are small (conftest's, an nnx MLP), on one device, for a few dozen steps.
 """
-import importlib.util
 import json
-import os
-import sys
 
 import flax.linen as nn
 import jax
@@ -36,6 +33,8 @@ import pytest
 
 from conftest import CNN, MLP, eval_step, fit_at, flat, loss_fn, make_state
 from fit import EarlyStopping, evaluate, fit, load_ckpt
+from test_shape import _programs
+from test_traps import edited_fit
 
 OLD = "5402c9f"  # fit.py before #39
 QUIET = dict(verbose=0, tensorboard=False)
@@ -475,24 +474,6 @@ def test_a_train_step_without_metrics_trains(digits, one_device_mesh, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # 6. One edit adds a per-step quantity to the train sums
 
-def edited_fit(tmp_path, monkeypatch, *replacements):
-    """fit.py as a user would edit it (each `old` text replaced once), imported as its own module
-    (as tests/test_traps.py does)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "fit.py")) as f:
-        source = f.read()
-    for old, new in replacements:
-        assert source.count(old) == 1, old
-        source = source.replace(old, new)
-    path = tmp_path / "fit_edited.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("fit_edited", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_one_edit_in_step_values_logs_a_new_per_step_quantity(
         digits, one_device_mesh, tmp_path, monkeypatch):
     """The one line of `_step_values` changed to add each batch's row count: `train/rows` reaches
@@ -528,28 +509,10 @@ class PlainCNN(nn.Module):
         return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
-def hlo_counts(fm, model, mesh):
-    """Optimized HLO instructions (lines with " = ") of `fm`'s compiled train step and eval step
-    for `model`, conftest's scalar `loss_fn` (loss, accuracy) and `eval_step` (accuracy)."""
-    var = model.init(jax.random.key(0), np.zeros((1, 8, 8, 1), np.float32), train=False)
-    state = fm.TrainState.create(apply_fn=model.apply, params=var["params"],
-                                 batch_stats=var.get("batch_stats", {}), tx=optax.adam(1e-3))
-    x = np.random.default_rng(0).normal(size=(64, 8, 8, 1)).astype(np.float32)
-    y = (np.arange(64) % 10).astype(np.int32)
-    opts = fm.Options(loss_fn=loss_fn, eval_step=eval_step, batch_size=32)
-    state = fm._place_state(state, 0, fm.NamedSharding(mesh, fm.P()))
-    train = fm._Data((x, y), "train_ds", opts, train=True)
-    tests = fm._eval_sets((x, y), "test_ds", opts)
-    config = fm._StepConfig.of(opts, fm._linen_forward, eval_step, mesh, linen=True)
-    fm._STEPS.clear()  # (a fresh build, not one cached by another test)
-    steps = fm._build_steps(state, train, tests, config, mesh)
-    batch = fm._putter(mesh, "data")((x[:32], y[:32]))
-    train_hlo = steps.train.lower(state, steps.acc0, batch).compile().as_text()
-    evals = getattr(steps, "evals", None) or steps.eval  # (named eval before #43)
-    eval_hlo = evals[None].lower(state, steps.eval0[None], batch).compile().as_text()
-    count = lambda hlo: sum(1 for line in hlo.splitlines() if " = " in line and not
-                            line.lstrip().startswith(("HloModule", "//")))
-    return count(train_hlo), count(eval_hlo)
+def hlo_counts(fm, model):
+    """Optimized HLO instructions of `fm`'s compiled train step and eval step for `model` on one
+    device, conftest's scalar `loss_fn` (loss, accuracy) and `eval_step` (accuracy)."""
+    return tuple(len(program) for program in _programs(fm, model))
 
 
 def test_compiled_steps_have_as_many_hlo_instructions_as_before(
@@ -561,7 +524,6 @@ def test_compiled_steps_have_as_many_hlo_instructions_as_before(
     import fit as new
     old = fit_at(OLD, tmp_path, monkeypatch)
     for model in (CNN(), PlainCNN(), MLP()):
-        before, after = hlo_counts(old, model, one_device_mesh), hlo_counts(new, model,
-                                                                            one_device_mesh)
+        before, after = hlo_counts(old, model), hlo_counts(new, model)
         assert after == before, (type(model).__name__, "(train, eval) now", after, "before",
                                  before)
