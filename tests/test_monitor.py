@@ -469,6 +469,8 @@ def test_a_train_step_without_metrics_trains(digits, one_device_mesh, tmp_path):
     last = load_ckpt(make_state(MLP()), history.ckpt_dir)
     assert int(last.step) == 8
     assert_same_params(last.params, state.params)
+    with pytest.raises(ValueError, match="no best checkpoint"):  # (not the last, silently)
+        load_ckpt(make_state(MLP()), history.ckpt_dir, "best")
 
 
 # ----------------------------------------------------------------------------------------------
