@@ -1581,8 +1581,9 @@ class _TrainSums:
     the first of them]."""
 
     def __init__(self, names, lrs=(), norms=_NORMS):
-        self.names, self.lrs, self.norms = tuple(names), tuple(lrs), tuple(norms)  # (lrs: ""
-        n, m = len(self.names), len(self.norms)  # for one, else by label)
+        # (lrs: "" for one rate, else by label; norms: grad_norm, param_norm, then a layer's)
+        self.names, self.lrs, self.norms = tuple(names), tuple(lrs), tuple(norms)
+        n, m = len(self.names), len(self.norms)
         # The parts of `sums`, where each starts and ends: its one layout.
         self.parts = dict(zip(("totals", "weights", "norms", "lrs"), (
             slice(0, n), slice(n, 2 * n), slice(2 * n, 2 * n + m + 1), slice(2 * n + m + 1, None))))
