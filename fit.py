@@ -423,21 +423,20 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
     # 1. Check everything that can be checked before touching the disk or compiling.
     opts = Options.of(options)
     _check_state(state, opts)
-    model = _adapt(state, opts)  # (an nnx model: its variables as a TrainState)
-    state, mesh = model.state, _mesh(opts, model.state)
+    mesh = _mesh(opts, state)
     train_data = _Data(train_ds, "train_ds", opts, train=True, mesh=mesh)
     eval_data = _eval_sets(test_ds, "test_ds", opts, mesh)  # {name: _Data}; one set's: None
     _check_data(train_data, eval_data, opts, mesh)
+    model = _adapt(state, opts, spec=train_data.spec)  # (nnx: its variables as a TrainState)
 
     # 2. Place a private copy of the state on the devices (a frozen base: the caller's, if placed).
-    state = _place_state(state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
+    state = _place_state(model.state, opts.seed, lambda s: _state_shardings(s, opts, mesh))
     frozen = _place_frozen(model.frozen, mesh)
 
     # 3. Build the compiled steps (every step's jax.jit is in _build_steps), then plan the run.
     config = _StepConfig.of(opts, model.forward, model.eval_step, mesh, linen=model.linen)
     steps = _build_steps(state, train_data, eval_data, config, mesh, frozen=frozen)
-    plan = _Plan(opts, train_data, eval_data, steps, state)
-    verbose = _verbosity(opts.verbose)
+    plan, verbose = _Plan(opts, train_data, eval_data, steps, state), _verbosity(opts.verbose)
     _check_plan(opts, train_data, eval_data, plan.total)
 
     # 4. Open the run: claim it, restore its checkpoint if it goes on, set up the hooks.
@@ -450,7 +449,8 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
                          batching=batching, options=_jsonable(hparams))  # (filled from the
     fresh_work = not plan.done(0, start)  # checkpoint if the run goes on; else: claim nothing)
     ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, fresh_work, frozen)
-    state = ckpts.restore(state)  # (from here on, the run is held: closed on any exit)
+    # Held from here on (closed on any exit); a resume's steps read its checkpoint's frozen base.
+    state, steps = ckpts.restore(state), steps._replace(frozen=ckpts.frozen)
     step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
     run = _Run(builtin + list(opts.hooks), plan, ckpts, progress)
     _check_schedule(state, opts, run.total_steps)
@@ -460,8 +460,8 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
         run.history.timing = _Clock(steps, opts, step).timing(step)  # (no work done)
         return model.finish(run.end(state, step, epoch), ckpts.frozen), run.history
     _say(verbose, f"fit: {'resuming' if ckpts.resumed else 'starting'} run {ckpts.run!r} at step "
-                  f"{step} on {mesh.size} device(s), {plan.best}; tensorboard --logdir "
-                  f"{ckpts.logs}")
+                  f"{step} on {mesh.size} device(s), {plan.best}{model.split}; tensorboard "
+                  f"--logdir {ckpts.logs}")
 
     # 5. The loop. Nothing on the per-step path reads a device value: metrics are summed on
     # device and read at log points, one call late, when the device has finished them.
@@ -652,7 +652,9 @@ class EarlyStopping:
                 self.bad += 1
                 run.stop = self.bad >= self.patience
         elif event == "train_end" and self.restore_best and run.stopped_early:
-            run.state = load_ckpt(run.state, run.ckpt_dir, "best")
+            # (an nnx model's state leaves its frozen base out: the checkpoint holds it too)
+            run.state = _load(run.state, run.ckpt_dir, "best", weights_only=False, ema=False,
+                              frozen=run.frozen)[0]
 
 
 class Profiler:
@@ -795,22 +797,26 @@ def _table(array):
 
 # -- The model: a TrainState called as linen's, an nnx model as a TrainState of its variables ------
 
-_Model = collections.namedtuple("_Model", "state forward eval_step view finish linen frozen")
+_Model = collections.namedtuple("_Model", "state forward eval_step view finish linen frozen "
+                                           "split")
 
 
-def _adapt(model, opts, who="fit"):
+def _adapt(model, opts, who="fit", spec=None):
     """A `_Model`: a TrainState as it is; an nnx model as a TrainState of plain dicts: `params`
     what the optimizer trains (`wrt`), `batch_stats` every other variable (the Rngs' state too)
     but the frozen base, merged in each step in plain jax.jit. `frozen`: the nnx.Params outside
-    `wrt` (a LoRA fine-tune's base; None if none), passed to each step apart, neither donated nor
-    returned (`_joined`). `view(state)`: what `eval_step` and `eval_metrics` are given (an nnx
-    model in eval mode); `finish(state, frozen)` writes the state back (into the nnx model)."""
+    `wrt` that the step leaves unchanged (a LoRA fine-tune's base; None if none), passed to each
+    step apart, neither donated nor returned (`_joined`); those the loss changes (an nnx.EMA's
+    averages) are state, carried in `batch_stats` (`_frozen_base`, traced on `spec`, the train
+    batch's shapes; without it, `evaluate` and `load_ckpt`, all are the base). `view(state)`: what
+    `eval_step` and `eval_metrics` are given (an nnx model in eval mode); `finish(state, frozen)`
+    writes the state back (into the nnx model); `split`: the base's size, said at the start."""
     if not _is_nnx(model):
-        return _Model(model, _linen_forward, opts.eval_step, _itself, _itself, True, None)
+        return _Model(model, _linen_forward, opts.eval_step, _itself, _itself, True, None, "")
     from flax import nnx
-    optimizer, nnx_loss_fn = _nnx_optimizer(opts.optimizer, who), opts.nnx_loss_fn
+    optimizer, loss_fns = _nnx_optimizer(opts.optimizer, who), (opts.loss_fn, opts.nnx_loss_fn)
     nnx.pop(model, nnx.Intermediate)  # sow()n values are per call outputs, not state to carry
-    base = nnx.All(nnx.Param, nnx.Not(optimizer.wrt))
+    base, split = _frozen_base(model, optimizer.wrt, loss_fns, spec)
     graphdef, params, frozen, rest = nnx.split(model, optimizer.wrt, base, ...)
     frozen = _pure(frozen) or None
     state = TrainState(step=optimizer.step[...], apply_fn=None, params=_pure(params),
@@ -826,10 +832,7 @@ def _adapt(model, opts, who="fit"):
 
     def forward(loss_fn, state, params, batch, rng, *, train):
         model = merged(params, state.batch_stats, train)
-        if nnx_loss_fn:  # the user's call, with the step's key (fit's rng, not the model's)
-            out = _call_nnx_loss(nnx_loss_fn, model, batch, nnx.Rngs(rng))
-        else:  # Dropout draws from the model's own Rngs, carried in batch_stats
-            out = loss_fn(model(batch[0]), batch[1])
+        out = _nnx_loss(model, batch, rng, loss_fn, loss_fns[1])
         nnx.pop(model, nnx.Intermediate)
         stats = _pure(nnx.state(model, carried))
         if isinstance(state.batch_stats, tuple):  # the base goes back as it came, unchanged
@@ -847,7 +850,34 @@ def _adapt(model, opts, who="fit"):
             optimizer.step.set_value(state.step.astype(optimizer.step[...].dtype))  # (any mesh)
         return model
 
-    return _Model(state, forward, opts.eval_step and eval_fn, view, finish, False, frozen)
+    return _Model(state, forward, opts.eval_step and eval_fn, view, finish, False, frozen, split)
+
+
+def _frozen_base(model, wrt, loss_fns, spec):
+    """`(filter, said)`: the frozen base, the Params outside `wrt` that the train loss leaves
+    unchanged, found by tracing it once on the batch's shapes `spec`; those it changes (an nnx.EMA
+    that `nnx_loss_fn` updates) are state to carry from step to step. A loss that fails here
+    changes nothing: the step's own trace (`_trace`) reports it, with advice. `said`: the split,
+    for the run's first line."""
+    from flax import nnx
+    outside, changed = nnx.All(nnx.Param, nnx.Not(wrt)), set()
+    count = len(jax.tree.leaves(nnx.state(model, outside)))
+    graphdef, variables = nnx.split(model)
+
+    def probe(variables, batch):
+        model = nnx.merge(graphdef, variables)
+        model.train()
+        before = _pure(nnx.state(model, outside))
+        _nnx_loss(model, batch, jax.random.key(0), *loss_fns)
+        after = jax.tree_util.tree_leaves_with_path(_pure(nnx.state(model, outside)))
+        changed.update(_path_name(p) for (p, a), b in zip(after, jax.tree.leaves(before))
+                       if a is not b)
+    if count and spec is not None:
+        with contextlib.suppress(Exception):
+            jax.eval_shape(probe, variables, spec)
+    said = f", of the Params outside wrt {count - len(changed)} frozen and {len(changed)} " \
+           f"carried as state (the step changes them)" if count else ""
+    return nnx.All(outside, nnx.Not(lambda path, _: "/".join(map(str, path)) in changed)), said
 
 
 def _pure(tree):
@@ -882,16 +912,21 @@ def _linen_forward(loss_fn, state, params, batch, rng, *, train):
     return loss_fn(out, targets), stats
 
 
-def _call_nnx_loss(fn, model, batch, rngs):
-    """`fn(model, batch, rngs)`, or by name where `fn` names them so: the NNX tutorial's loss_fn
-    takes `(model, rngs, batch)`. (At trace time only: no cost a step.)"""
+def _nnx_loss(model, batch, rng, loss_fn, nnx_loss_fn):
+    """An nnx model's loss on a batch: `nnx_loss_fn(model, batch, rngs)` with `rngs` of the step's
+    key (fit's rng, not the model's), or by name where it names them so (the NNX tutorial's loss_fn
+    takes `(model, rngs, batch)`); else `loss_fn(model(inputs), targets)`, Dropout drawing from the
+    model's own Rngs, carried in batch_stats. (At trace time only: no cost a step.)"""
+    if not nnx_loss_fn:
+        return loss_fn(model(batch[0]), batch[1])
+    from flax import nnx
     try:
-        p = inspect.signature(fn).parameters
+        p = inspect.signature(nnx_loss_fn).parameters
     except (TypeError, ValueError):  # (a signature Python cannot read: called positionally)
         p = {}
     if all(k in p and p[k].kind != p[k].POSITIONAL_ONLY for k in ("batch", "rngs")):
-        return fn(model, batch=batch, rngs=rngs)
-    return fn(model, batch, rngs)
+        return nnx_loss_fn(model, batch=batch, rngs=nnx.Rngs(rng))
+    return nnx_loss_fn(model, batch, nnx.Rngs(rng))
 
 
 # -- Placement: the mesh, the state's shardings and its private copy, batches on the devices -------
@@ -2317,7 +2352,11 @@ def _restore_all(mgr, step, state, who, *, frozen=None, **kwargs):
     base = _is_nnx_state(state) and _meta(mgr, step, who).get("base")
     carved = base and frozen is None  # (nnx weights without the optimizer: all are params)
     if carved:
-        state, frozen = _carve(state, base)
+        params, frozen = _carve(state.params, base)
+        state = state.replace(params=params)
+    elif base:  # Params outside wrt that the run's step changed (an nnx.EMA's) are its state
+        carried, frozen = _carve(frozen, base)
+        state = state.replace(batch_stats=_merge(state.batch_stats, carried))
     if base:
         _check_base(base, frozen, f"{who}: the checkpoint at step {step} in {mgr.directory}")
     whole = frozen is not None and not base  # (the base saved with the state)
@@ -2430,21 +2469,18 @@ def _split_base(whole, like, frozen):
     return whole.replace(batch_stats=_part(stats, like.batch_stats)), _part(stats, frozen)
 
 
-def _carve(state, base):
-    """`(state, frozen)`: an nnx model's params (every Param, loaded without its optimizer) less
-    the base whose fingerprint `base` a run saved instead of it, and that base."""
-    def split(tree, at=""):
-        keep, take = {}, {}
-        for k, v in tree.items():
-            if isinstance(v, dict):
-                parts = split(v, f"{at}{k}/")
-                keep.update({k: parts[0]} if parts[0] else {})
-                take.update({k: parts[1]} if parts[1] else {})
-            else:
-                (take if f"{at}{k}" in base else keep)[k] = v
-        return keep, take
-    params, frozen = split(state.params)
-    return state.replace(params=params), frozen
+def _carve(tree, paths):
+    """`(rest, taken)`: nested dict `tree` without the leaves whose paths are in `paths` (a
+    frozen base's fingerprint), and those leaves, each laid out as `tree`."""
+    rest, taken = {}, {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            parts = _carve(v, {p.split("/", 1)[1] for p in paths if p.startswith(f"{k}/")})
+            rest.update({k: parts[0]} if parts[0] else {})
+            taken.update({k: parts[1]} if parts[1] else {})
+        else:
+            (taken if k in paths else rest)[k] = v
+    return rest, taken
 
 
 def _merge(a, b):
@@ -3024,7 +3060,7 @@ def _eval_set(steps, test, state, name=None, *, clock=None, python=None):
         if values is None:
             raise ValueError(f"fit: {test.name} yielded no batches; a generator can be iterated "
                              f"only once: pass a list or a re-iterable loader.")
-        return {**values, **(python(state, test) if python else {})}
+        return {**values, **(python(_joined(state, steps.frozen), test) if python else {})}
 
 
 def _merged(host, new):
