@@ -270,8 +270,9 @@ class Options:
     peak_tflops: a device's peak TFLOP/s, for `perf/mfu` on a chip not in `_PEAK_TFLOPS`.
     tensorboard=True: False: no event files.
     save_frozen=True: False: an nnx model's frozen base (its nnx.Params outside the optimizer's
-        `wrt`, e.g. under LoRA) is left out of checkpoints, its fingerprint saved instead; resume
-        and `load_ckpt` then take the base from the model you pass, checked against it.
+        `wrt` that the step leaves unchanged, e.g. under LoRA) is left out of checkpoints, its
+        fingerprint saved instead; resume and `load_ckpt` then take the base from the model you
+        pass, checked against it.
     on_nonfinite="raise": a NaN/Inf loss, metric or parameter raises `FloatingPointError` naming
         the step (no checkpoint after it); "skip" drops such updates (`train/skipped_steps`).
     mesh: a Mesh with the `batch_axes`; None: the state's, jax.set_mesh's, or all devices on "data".
@@ -3489,14 +3490,16 @@ def _warn_dtypes(new, old):
 
 
 def _check_frozen(after, before):
-    """At trace time: a step that changes an nnx.Param outside the optimizer's `wrt` (the base fit
-    passes to each step unchanged, and would not keep) raises, naming it."""
+    """At trace time: a step that changes an nnx.Param of the frozen base (outside the optimizer's
+    `wrt`, left unchanged by the loss traced on the first batch: `_frozen_base`) raises, naming
+    it: fit passes the base to every step and would not keep the change."""
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(after), jax.tree.leaves(before)):
         if a is not b:
             raise ValueError(f"fit: the step changes {_path_name(path)}, an nnx.Param outside "
-                             f"the optimizer's wrt, which fit passes to every step as a frozen "
-                             f"base and does not keep; make it another nnx.Variable type (as "
-                             f"BatchStat), or train it (wrt).")
+                             f"the optimizer's wrt that the loss left unchanged on the first "
+                             f"batch, so fit holds it as a frozen base and would not keep the "
+                             f"change; make it another nnx.Variable type (as BatchStat), or "
+                             f"train it (wrt).")
 
 
 # -- The run's claim and lock ----------------------------------------------------------------------
