@@ -249,8 +249,9 @@ class Options:
     ckpt_interval=300.0: seconds from a save to the next, due at the first log point after.
     ckpt_every: steps between checkpoints, exactly, besides those of `ckpt_interval`.
     max_to_keep=1: best checkpoints kept (by `monitor`), besides the latest.
-    monitor: the best checkpoint's metric; None: `eval/accuracy`, `eval/loss`, ..., `train/loss`
-        (named sets: the first set's, `eval/<set>/accuracy`, ...); or `eval_ema/...`.
+    monitor: the best checkpoint's metric; None: `eval/accuracy`, `eval/loss`, ... (named sets:
+        the first set's, `eval/<set>/accuracy`, ...), and no best without an eval set; or
+        `eval_ema/...`, or a train metric (`train/loss`: its best epoch's end is saved).
     mode="auto": "min" or "max"; "auto" reads the monitor's name (loss, accuracy, ...) or raises.
     log_name="run": runs are `<log_name>_<n>`, in `<workdir>/logs/` and `<workdir>/checkpoints/`.
     workdir: where `logs/` and `checkpoints/` go; None: the current directory. No URLs: mount them.
@@ -553,8 +554,10 @@ def _load(state, ckpt_dir, step, *, weights_only, ema, frozen=None):
         if step == "best":  # the best step that the latest checkpoint knows of
             step = _meta(mgr, max(steps), "load_ckpt")["best_step"]
             if step is None:
-                raise ValueError(f"load_ckpt: {ckpt_dir} has no best checkpoint (its run had no "
-                                 f"monitored value); pass 'last' or a step.")
+                raise ValueError(f"load_ckpt: {ckpt_dir} has no best checkpoint: its run kept "
+                                 f"none (no eval set and no monitor=, or no value yet); pass "
+                                 f"'last' or a step, or keep a best with fit(..., monitor="
+                                 f"'train/loss').")
         step = max(steps) if step in (None, "last") else step
         if step not in steps:
             raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
@@ -638,8 +641,10 @@ class EarlyStopping:
     def __call__(self, event: str, run: "_Run") -> None:
         if event == "train_start":
             if run.monitor is None:
-                raise ValueError("EarlyStopping: this run has no metric to follow; return one "
-                                 "from loss_fn, train_step or eval_step, and pass monitor= to fit.")
+                raise ValueError(f"EarlyStopping: this run follows no metric: it has no eval set "
+                                 f"and fit was given no monitor=; pass fit monitor="
+                                 f"{self.monitor or 'train/loss'!r} (a train metric is judged on "
+                                 f"epochs' means), or an eval set.")
             if self.monitor not in (None, run.monitor):
                 raise ValueError(f"EarlyStopping: monitor={self.monitor!r} differs from fit's "
                                  f"monitor={run.monitor!r}, which picks the checkpoint to "
@@ -2003,7 +2008,7 @@ class _Plan:
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, steps.train_names,
                                                 eval_names, self.ema)
         self.best = f"best by {self.monitor} ({self.mode})" if self.monitor else \
-            "no best: no metric whose name tells its mode"  # (said at the start)
+            "no best (no eval set or monitor=), the latest kept"  # (said at the start)
 
     def end(self, start):
         """The run's last step, from `start`, the state's step when it began (None: unknown)."""
@@ -2032,8 +2037,9 @@ class _Plan:
 
 def _pick_monitor(monitor, mode, train_names, eval_names, averaged=False):
     """`monitor` checked, or the default: the (first) eval set's accuracy, else its loss, else its
-    first metric, else the train loss, else the first train metric (none: `(None, None)`, a run
-    without a best); `mode` from the metric's own name (`eval/val/loss`: loss)."""
+    first metric; a run without an eval set keeps no best unless `monitor` names one (its best
+    train epoch is rarely what it wants; Keras keeps none either): `(None, None)`. `mode` from
+    the metric's own name (`eval/val/loss`: loss)."""
     names = [f"train/{n}" for n in train_names] + [
         _metric_tag(part, eval_set, n) for part in ("eval", "eval_ema")[:1 + averaged]
         for eval_set, metrics in eval_names.items() for n in metrics]
@@ -2044,11 +2050,9 @@ def _pick_monitor(monitor, mode, train_names, eval_names, averaged=False):
     if monitor is None:
         first, metrics = next(iter(eval_names.items()), (None, []))
         preferred = [n for n in ("accuracy", "loss") if n in metrics] + metrics
-        own = [f"train/{n}" for n in ("loss", *train_names) if n in train_names and not
-               _is_norm(n) and (mode != "auto" or _mode_of(n))]  # (whose name tells its mode)
-        monitor = _metric_tag("eval", first, preferred[0]) if preferred else own and own[0]
-        if not monitor:
+        if not preferred:
             return None, None
+        monitor = _metric_tag("eval", first, preferred[0])
     if monitor not in names:
         near = difflib.get_close_matches(monitor, names, n=1)
         raise ValueError(f"fit: monitor={monitor!r} is not a metric of this run; it has {names}"

@@ -69,9 +69,9 @@ def tiny_data(n=64):
     return rng.normal(size=(n, 8)).astype(np.float32), rng.integers(0, 4, n).astype(np.int32)
 
 
-# 8 steps an epoch; no test set, so the monitor is train/loss and every save has a metric.
+# 8 steps an epoch; no test set, and the monitor train/loss, so every save has a metric.
 RUN = dict(loss_fn=tiny_loss, batch_size=8, num_epochs=2, ckpt_every=8, max_to_keep=2, verbose=0,
-           tensorboard=False)
+           tensorboard=False, monitor="train/loss")
 
 
 def one_device():

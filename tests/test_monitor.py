@@ -9,11 +9,12 @@
    scenario `python_metric`).
 3. Compute first, decide second: a hook that changes `run.metrics` raises naming itself and the
    event; `run.metrics` holds floats only (`json.dumps` works in a hook).
-4. A train-metric monitor (no test set) checkpoints the epoch end whose mean enters the kept best,
-   so `load_ckpt(..., "best")` loads it and EarlyStopping restores it; of equal values the
-   later is the best, and `EarlyStopping` counts a tie as no improvement.
-5. Without an eval set and without a `loss`, the first train metric is the monitor; with no metric
-   at all the run trains, with no best.
+4. A train-metric monitor (no test set, `monitor="train/loss"`) checkpoints the epoch end whose
+   mean enters the kept best, so `load_ckpt(..., "best")` loads it and EarlyStopping restores it;
+   of equal values the later is the best, and `EarlyStopping` counts a tie as no improvement.
+5. (#48) Without an eval set a run keeps a best only if `monitor=` names one: it saves on its
+   periods alone, `load_ckpt(..., "best")` says how to keep one, and `EarlyStopping` without a
+   metric to follow raises before any work; with no metric at all the run trains, with no best.
 6. The train sums have one layout: one edit in `_step_values` logs a new per-step quantity.
 7. Guard: with scalar metrics only, the compiled train and eval steps have as many optimized HLO
    instructions as before #39 (5402c9f).
@@ -349,7 +350,7 @@ def scripted_train_step(losses):
 ])
 def test_a_train_monitors_best_epoch_is_checkpointed_and_loads(
         means, best_epoch, digits, one_device_mesh, tmp_path):
-    """No test set: the monitor is `train/loss`, judged on epochs' means. 4 steps an epoch, the
+    """No test set, `monitor="train/loss"`: judged on epochs' means. 4 steps an epoch, the
     per-step losses scripted so the best mean is that of epoch `best_epoch` (neither the last
     epoch nor a step any other rule saves: no ckpt_every, ckpt_interval not reached). Its end is
     checkpointed, and `load_ckpt(..., "best")` gives the state the `epoch_end` hook saw there.
@@ -361,6 +362,7 @@ def test_a_train_monitors_best_epoch_is_checkpointed_and_loads(
     state, history = fit(make_state(MLP(), optax.sgd(0.1)), (x[:200], y[:200]),
                          train_step=scripted_train_step(per_step), batch_size=50,
                          num_epochs=len(means), mesh=one_device_mesh, workdir=str(tmp_path),
+                         monitor="train/loss",
                          hooks=[capture, lambda e, run: monitors.append(run.monitor)], **QUIET)
     assert set(monitors) == {"train/loss"}
     np.testing.assert_allclose(history["train/loss"], means)
@@ -383,7 +385,7 @@ def test_early_stopping_on_a_train_monitor_returns_the_best_epochs_state(
     state, history = fit(make_state(MLP(), optax.sgd(0.1)), (x[:200], y[:200]),
                          train_step=scripted_train_step(per_step), batch_size=50, num_epochs=5,
                          mesh=one_device_mesh, workdir=str(tmp_path), hooks=[capture, stopper],
-                         **QUIET)
+                         monitor="train/loss", **QUIET)
     assert history["step"] == [4, 8, 12, 16] and stopper.get_state()["bad"] == 2
     assert int(state.step) == 8
     assert_same_params(state.params, capture.params_at("epoch_end", 8))
@@ -420,30 +422,76 @@ def test_of_equal_evals_the_later_is_the_best_and_early_stopping_counts_a_tie(
 # ----------------------------------------------------------------------------------------------
 # 5. The default monitor without a loss and without an eval set; no metric at all
 
-def test_without_loss_or_eval_set_the_first_train_metric_is_the_monitor(
+def gan_like_step(state, batch):
+    """A train step returning `{"d_loss", "g_loss"}` and no `loss`."""
+    inputs, labels = batch
+
+    def loss(params):
+        logits = state.apply_fn({"params": params}, inputs, train=False)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), {"d_loss": value, "g_loss": -value}
+
+
+def test_without_an_eval_set_a_named_train_metric_is_the_monitor(
         digits, one_device_mesh, tmp_path):
-    """A GAN-like train_step returning `{"d_loss", "g_loss"}` and no test set: the monitor is
-    `train/d_loss` (mode "min" from its name), both are in the history, and the best loads.
-    Before #39 the default `train/loss` was refused as not a metric of the run."""
+    """A GAN-like train_step returning `{"d_loss", "g_loss"}` and no test set: without `monitor=`
+    the run keeps no best (#48); with `monitor="train/d_loss"` it follows that metric (mode "min"
+    from its name), both metrics are in the history, and the best loads. Before #39 the default
+    `train/loss` was refused as not a metric of the run."""
     x, y, _, _ = digits
-
-    def train_step(state, batch):
-        inputs, labels = batch
-
-        def loss(params):
-            logits = state.apply_fn({"params": params}, inputs, train=False)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-        value, grads = jax.value_and_grad(loss)(state.params)
-        return state.apply_gradients(grads=grads), {"d_loss": value, "g_loss": -value}
-
     seen = []
-    state, history = fit(make_state(MLP()), (x[:200], y[:200]), train_step=train_step,
-                         batch_size=50, num_epochs=2, mesh=one_device_mesh, workdir=str(tmp_path),
-                         hooks=[lambda e, run: seen.append((run.monitor, run.mode))], **QUIET)
+    kwargs = dict(train_step=gan_like_step, batch_size=50, num_epochs=2, mesh=one_device_mesh,
+                  hooks=[lambda e, run: seen.append((run.monitor, run.mode))], **QUIET)
+    fit(make_state(MLP()), (x[:200], y[:200]), workdir=str(tmp_path / "a"), **kwargs)
+    assert set(seen) == {(None, None)}
+    seen.clear()
+    state, history = fit(make_state(MLP()), (x[:200], y[:200]), workdir=str(tmp_path / "b"),
+                         monitor="train/d_loss", **kwargs)
     assert set(seen) == {("train/d_loss", "min")}
     assert len(history["train/d_loss"]) == len(history["train/g_loss"]) == 2
     np.testing.assert_allclose(history["train/g_loss"], -np.asarray(history["train/d_loss"]))
     assert int(load_ckpt(make_state(MLP()), history.ckpt_dir, "best").step) in (4, 8)
+
+
+def test_without_an_eval_set_or_monitor_a_run_saves_on_its_periods_alone(
+        digits, one_device_mesh, tmp_path):
+    """#48: the scripted epochs (best: the second of five), no eval set. Without `monitor=`: no
+    save at any epoch's end (only the final one; ckpt_interval not reached), the run says it
+    keeps no best, and `load_ckpt(..., "best")` raises, naming `monitor='train/loss'`. The same
+    run with `monitor="train/loss"` saves the epoch ends that enter the kept best (steps 4, 8)
+    and the final one, and its best loads. (Before #48 the first run saved at 4 and 8 too.)"""
+    x, y, _, _ = digits
+    per_step = [m + d for m in [3.0, 1.0, 2.0, 2.5, 2.75] for d in (-0.5, 0.5, 0.25, -0.25)]
+    saves = []
+    kwargs = dict(train_step=scripted_train_step(per_step), batch_size=50, num_epochs=5,
+                  mesh=one_device_mesh, **QUIET,
+                  hooks=[lambda e, run: e == "save" and saves.append(run.step)])
+    _, history = fit(make_state(MLP(), optax.sgd(0.1)), (x[:200], y[:200]),
+                     workdir=str(tmp_path / "a"), **kwargs)
+    assert saves == [20], saves
+    with pytest.raises(ValueError, match=r"has no best checkpoint: its run kept none .* "
+                                         r"monitor='train/loss'"):
+        load_ckpt(make_state(MLP(), optax.sgd(0.1)), history.ckpt_dir, "best")
+    saves.clear()
+    _, history = fit(make_state(MLP(), optax.sgd(0.1)), (x[:200], y[:200]),
+                     workdir=str(tmp_path / "b"), monitor="train/loss", **kwargs)
+    assert saves == [4, 8, 20], saves
+    assert int(load_ckpt(make_state(MLP(), optax.sgd(0.1)), history.ckpt_dir, "best").step) == 8
+
+
+def test_early_stopping_without_a_metric_to_follow_raises_before_any_step(
+        digits, one_device_mesh, tmp_path):
+    """#48: EarlyStopping() on a run without an eval set and without `monitor=` raises a
+    ValueError naming the fix (monitor='train/loss') at train_start, before any step runs."""
+    x, y, _, _ = digits
+    events = []
+    with pytest.raises(ValueError, match=r"EarlyStopping: this run follows no metric: .* "
+                                         r"monitor='train/loss'"):
+        fit(make_state(MLP()), (x[:200], y[:200]), loss_fn=loss_fn, batch_size=50,
+            mesh=one_device_mesh, workdir=str(tmp_path), **QUIET,
+            hooks=[lambda e, run: events.append(e), EarlyStopping()])
+    assert events == ["train_start"], events
 
 
 def test_a_train_step_without_metrics_trains(digits, one_device_mesh, tmp_path):

@@ -220,14 +220,18 @@ def _code_lines(source):
     return len(code - docs)
 
 
-@pytest.mark.xfail(strict=True, reason="#43 size: see the closing note")
-def test_fit_py_has_no_more_code_lines_than_before_43(tmp_path, monkeypatch):
-    """The restructure is no excuse for more code: comments and docstrings aside, fit.py has no
-    more lines than before #43."""
-    with open(fit_at(BEFORE_43, tmp_path, monkeypatch).__file__) as f:
-        then = _code_lines(f.read())
+# fit.py's code lines, as `_code_lines` counts them: the size accepted so far, each issue's growth
+# recorded (a change that needs more raises this limit in its own commit, saying why):
+# 2,016 before #39-#43 (5402c9f); 2,502 after them (7711fde; #43's +39 accepted by #48);
+# #47 +22 (the frozen base found by a trace, the resume's base); #48 +2 (a best only where asked).
+CODE_LINES = 2526
+
+
+def test_fit_py_stays_within_its_accepted_size():
+    """Comments and docstrings aside, fit.py has no more lines than the size accepted so far
+    (`CODE_LINES`): growth is a decision, recorded beside the limit, never a drift."""
     now = _code_lines(SOURCE)
-    assert now <= then, f"fit.py has {now} code lines, {then} before #43"
+    assert now <= CODE_LINES, f"fit.py has {now} code lines, {CODE_LINES} accepted so far"
 
 
 # -- Facts kept once (item 5) ----------------------------------------------------------------------
