@@ -39,7 +39,7 @@ calls them. One training step, from `fit` to the device and back: `fit`'s loop, 
 `_default_train_step` and `_gradient_step` (the math), then at a log point `_Loop.log` and
 `_Readings.read` (the sums, one call late). The map, by job:
 
-    TrainState, Weighted, lr_schedule  public building blocks; ema, the weights' average
+    TrainState, Weighted, Total        public building blocks; lr_schedule; ema, the average
     Options, fit                       every option and its rules; the story of a run
     load_ckpt, evaluate, History       the rest of the public API
     EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
@@ -48,7 +48,7 @@ calls them. One training step, from `fit` to the device and back: `fit`'s loop, 
     _Data, _grouped, _prefetch         the data: the order of batches (`_Data.epoch`), positions
     _gradient_step                     the step's math: change the step here (bf16, grads)
     _StepConfig, _build_steps          the compiled steps, cached; what traced code reads
-    _step_values, _TrainSums           a per-step quantity (one edit), the train sums' layout
+    _step_values, _TrainSums           a per-step quantity (`step_metrics`, public), the sums
     _jit_eval, _EvalSums               the eval: an eval step's sums, any shape of metric
     _Plan, _pick_monitor               every period in steps; the monitor (the best, its mode)
     _Progress, _Checkpoints            what a checkpoint holds (one field list), saves, restores
@@ -102,19 +102,20 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import hparams as hparams_summaries, scalar as scalar_summary
 from tqdm.auto import tqdm
 
-__all__ = ["TrainState", "Weighted", "lr_schedule", "ema", "Options", "fit", "evaluate",
+__all__ = ["TrainState", "Weighted", "Total", "lr_schedule", "ema", "Options", "fit", "evaluate",
            "load_ckpt", "History", "EarlyStopping", "Profiler", "ProgressBar", "TensorBoard"]
 
 
 # -- Public building blocks, the options and fit ---------------------------------------------------
 
 class TrainState(train_state.TrainState):
-    """Flax's TrainState plus `batch_stats` (`{}` without BatchNorm) and `rng`, the base key (None:
-    fit fills it from `seed`): the update from step n to n + 1 draws `fold_in(rng, n)` (so the step
-    hooks and checkpoints call K drew `fold_in(rng, K - 1)`), so randomness survives a resume and
-    the device count. `tx=None`: no optimizer, for `evaluate` and `load_ckpt`. Any flax
-    TrainState subclass trains too, every field saved and returned (e.g. `ema_params`); this one's
-    two fields are keyword-only, so a subclass may add fields without defaults (a GAN's `disc`)."""
+    """Flax's TrainState plus `batch_stats` (BatchNorm's statistics, `{}` without; an nnx model's:
+    its variables neither trained nor frozen, `_adapt`) and `rng`, the base key (None: fit fills it
+    from `seed`): the update from step n to n + 1 draws `fold_in(rng, n)` (so the step hooks and
+    checkpoints call K drew `fold_in(rng, K - 1)`), so randomness survives a resume and the device
+    count. `tx=None`: no optimizer, for `evaluate` and `load_ckpt`. Any flax TrainState subclass
+    trains too, every field saved and returned (e.g. `ema_params`); this one's two fields are
+    keyword-only, so a subclass may add fields without defaults (a GAN's `disc`)."""
     batch_stats: Any = flax.struct.field(default_factory=dict, kw_only=True)
     rng: Any = flax.struct.field(default=None, kw_only=True)
 
@@ -131,6 +132,13 @@ class Weighted(collections.namedtuple("Weighted", "total weight")):
     padded batch: fit logs sum(total) / sum(weight) over the whole eval set or log interval,
     exactly, where a plain per-batch mean is weighted by rows (eval) or steps (train). A loss may
     be one too: the step descends total / weight (summed over microbatches and devices first)."""
+    __slots__ = ()
+
+
+class Total(collections.namedtuple("Total", "value")):
+    """A train quantity summed over the whole run, not averaged: a `step_metrics` value such as
+    `Total(rows)`, examples seen, logged as its running total at every log point and epoch end,
+    exact over a resume (it is checkpointed with the train sums)."""
     __slots__ = ()
 
 
@@ -232,6 +240,11 @@ class Options:
         and ranked as `eval/<name>`, so a `monitor`; process 0's value holds for all processes.
     train_step: `(state, batch[, rng]) -> (state, metrics)`, replacing fit's step; TrainState only.
         Metrics are logged as interval means, but `grad_norm` and `param_norm` as the log step's.
+    step_metrics: `fn(step) -> {name: value}`, the step's own quantities: fit's train step calls
+        it with `step.grads`, `step.updates` (the params' change), `step.state` (after the
+        update) and `step.batch`; each value is logged as `train/<name>`: a scalar as the
+        interval's mean, a `Total` as the run's running total, and one named `grad_norm/...` or
+        `param_norm/...` (a layer's) as its log step's value. None: nothing added to the step.
     optimizer: an nnx model's `nnx.Optimizer` (or an object with `tx`, `opt_state`, `step`, `wrt`).
     nnx_loss_fn: `(model, batch, rngs) -> loss or (loss, metrics)`, instead of `loss_fn`, for an
         nnx model called its own way; `rngs` is an `nnx.Rngs` of the step's key.
@@ -286,6 +299,7 @@ class Options:
     eval_step: Callable[[Any, Any], Any] | None = None
     eval_metrics: dict[str, Callable[[Any, Iterable], float]] | None = None
     train_step: Callable[..., tuple] | None = dataclasses.field(default=None, metadata=_TRACED)
+    step_metrics: Callable[[Any], dict] | None = dataclasses.field(default=None, metadata=_TRACED)
     optimizer: Any = None  # (an nnx.Optimizer: flax.nnx is not imported unless yours is)
     nnx_loss_fn: Callable[[Any, Any, Any], Any] | None = None
     num_epochs: int = 1
@@ -329,9 +343,12 @@ class Options:
                          "batch_size"), (ValueError, _positive_int, "a positive integer")),
         "eval_steps": (ValueError, lambda v: _positive_int(v) or isinstance(v, dict) and all(
             map(_positive_int, v.values())), "a positive integer, or a dict {eval set: one}"),
-        **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn", "nnx_loss_fn"),
+        **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn", "nnx_loss_fn",
+                         "step_metrics"),
                         (TypeError, callable, "a function")),
         "mode": (ValueError, lambda v: v in ("auto", "min", "max"), "'auto', 'min' or 'max'"),
+        "seed": (ValueError, lambda v: isinstance(v, (int, np.integer)) and not isinstance(
+            v, bool) and v >= 0, "an integer >= 0 (it fills state.rng and orders the data)"),
         "verbose": (ValueError, lambda v: v in (0, 1, 2), "0, 1 or 2"),
         "on_nonfinite": (ValueError, lambda v: v in ("raise", "skip"), "'raise' or 'skip'"),
         **dict.fromkeys(("ckpt_interval", "peak_tflops"), (ValueError, lambda v: isinstance(
@@ -383,6 +400,9 @@ class Options:
             raise ValueError(f"fit: axis_name={self.axis_name!r} runs the step per device over one "
                              f"axis, but batch_axes={tuple(self.batch_axes)} names "
                              f"{len(self.batch_axes)}; pass one batch axis.")
+        if self.step_metrics and self.train_step:
+            raise ValueError("fit: step_metrics is called by fit's own train step; your "
+                             "train_step returns its metrics itself (drop step_metrics).")
         if self.grad_accum > 1 and self.train_step is not None:
             raise ValueError(f"fit: grad_accum={self.grad_accum} splits fit's own train step; "
                              f"your train_step accumulates on its own (drop grad_accum).")
@@ -453,7 +473,7 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
     ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, fresh_work, frozen)
     # Held from here on (closed on any exit); a resume's steps read its checkpoint's frozen base.
     state, steps = ckpts.restore(state), steps._replace(frozen=ckpts.frozen)
-    step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.position
+    step, epoch, position = int(jax.device_get(state.step)), progress.epoch, progress.here()
     run = _Run(builtin + list(opts.hooks), plan, ckpts, progress)
     _check_schedule(state, opts, run.total_steps)
     if plan.done(epoch, step) or run.stopping:  # (run.stopping: a hook's stop, for good)
@@ -831,8 +851,8 @@ def _adapt(model, opts, who="fit", spec=None):
     _nnx_fits(state, who)
     carried = nnx.Not(nnx.Any(optimizer.wrt, base) if frozen else optimizer.wrt)
 
-    def merged(params, stats, train):  # (stats: the rest, or (the rest, the base): _joined)
-        model = nnx.merge(graphdef, params, *(stats if isinstance(stats, tuple) else [stats]))
+    def merged(params, stats, train):  # (stats: the other variables, or a _WithBase)
+        model = nnx.merge(graphdef, params, *(stats if isinstance(stats, _WithBase) else [stats]))
         model.train() if train else model.eval()  # Dropout and BatchNorm read these flags
         return model
 
@@ -841,9 +861,9 @@ def _adapt(model, opts, who="fit", spec=None):
         out = _nnx_loss(model, batch, rng, loss_fn, loss_fns[1])
         nnx.pop(model, nnx.Intermediate)
         stats = _pure(nnx.state(model, carried))
-        if isinstance(state.batch_stats, tuple):  # the base goes back as it came, unchanged
-            _check_frozen(_pure(nnx.state(model, base)), state.batch_stats[1])
-            stats = (stats, state.batch_stats[1])
+        if isinstance(state.batch_stats, _WithBase):  # the base goes back as it came, unchanged
+            _check_frozen(_pure(nnx.state(model, base)), state.batch_stats.base)
+            stats = _WithBase(stats, state.batch_stats.base)
         return out, stats
 
     view = lambda state: merged(state.params, state.batch_stats, False)
@@ -894,15 +914,22 @@ def _pure(tree):
                         is_leaf=is_state)
 
 
+# Inside a step of an nnx model with a frozen base, its `batch_stats`: the model's other variables
+# (`rest`) and the base (`base`, an argument of the step's own, neither donated nor returned).
+_WithBase = collections.namedtuple("_WithBase", "rest base")
+
+
 def _joined(state, frozen):
-    """Traced: the state as the model's forward reads it, its `batch_stats` `(the rest, the frozen
-    base)` where there is a base (an argument of its own, neither donated nor returned)."""
-    return state if frozen is None else state.replace(batch_stats=(state.batch_stats, frozen))
+    """Traced: the state as the model's forward reads it, its `batch_stats` a `_WithBase` where
+    there is a frozen base."""
+    return state if frozen is None else state.replace(batch_stats=_WithBase(state.batch_stats,
+                                                                            frozen))
 
 
-def _parted(state, frozen):
+def _parted(state):
     """Traced: the state without the frozen base, as the step returns it."""
-    return state if frozen is None else state.replace(batch_stats=state.batch_stats[0])
+    stats = getattr(state, "batch_stats", None)
+    return state.replace(batch_stats=stats.rest) if isinstance(stats, _WithBase) else state
 
 
 def _linen_forward(loss_fn, state, params, batch, rng, *, train):
@@ -1433,8 +1460,17 @@ def _default_train_step(config):
         if config.axis_name:  # each device draws its own dropout masks
             rng = jax.random.fold_in(rng, jax.lax.axis_index(config.axis_name))
         new_state, metrics, grads = _gradient_step(state, batch, rng, config, grads_of)
+        if config.step_metrics:  # (the user's own quantities: what the step has)
+            updates = jax.tree.map(jnp.subtract, new_state.params, state.params)
+            view = _StepView(grads, updates, _parted(new_state), batch)
+            metrics = {**metrics, **_as_dict(config.step_metrics(view), "step_metrics")}
         return new_state, {**metrics, "grad_norm": _log_norm(state, config, grads)}
     return train_step
+
+
+# What `step_metrics` is given: the update (params after minus before) by XLA's subtraction, which
+# it leaves out of the step where `fn` does not read it.
+_StepView = collections.namedtuple("_StepView", "grads updates state batch")
 
 
 def _gradient_step(state, batch, rng, config, grads_of):
@@ -1570,10 +1606,10 @@ _StepParts = collections.namedtuple("_StepParts", "step_fn sums lr_of config")  
 
 
 def _step_values(step_fn, state, batch):
-    """One step, and the values the train sums add up for it, `{name: a mean or Weighted}`, each
-    logged as its interval's mean, `train/<name>`: a per-step quantity added here is summed and
-    logged with them. One named `grad_norm/...` or `param_norm/...` (`_is_norm`, e.g. a layer's
-    norm by `_log_norm`) is logged as its log step's value instead."""
+    """One step, and the values the train sums add up for it, `{name: a mean, Weighted or Total}`,
+    each logged as its interval's mean, `train/<name>` (a Total: the run's sum): a quantity added
+    here is summed and logged with them (one that needs the gradients: `step_metrics`). One named
+    `grad_norm/...` or `param_norm/...` (`_is_norm`) is logged as its log step's value instead."""
     new_state, metrics = step_fn(state, batch)
     return new_state, _as_dict(metrics, "loss")
 
@@ -1598,10 +1634,9 @@ def _train_and_accumulate(parts, state, acc, batch, frozen=None):
     # Outputs keep the inputs' dtypes and weak types, so the next call hits the same compilation.
     new_state = jax.tree.map(lambda n, o: jnp.asarray(n, o.dtype), new_state, state)
     lr = None if parts.lr_of is None else parts.lr_of(new_state)
-    return _parted(new_state, frozen), parts.sums.add(acc, values, norms, lr, finite=finite,
-                                                      kept=finite | (not skip),
-                                                      at_log=_at_log(state, config),
-                                                      step=state.step)
+    return _parted(new_state), parts.sums.add(acc, values, norms, lr, finite=finite,
+                                              kept=finite | (not skip),
+                                              at_log=_at_log(state, config), step=state.step)
 
 
 _NORMS = ("grad_norm", "param_norm")  # logged as their values at log steps, not as means
@@ -1621,9 +1656,11 @@ class _TrainSums:
     log step's norms and 1 once set, the lrs]; `count` (int32) [steps summed, non-finite steps,
     the first of them]."""
 
-    def __init__(self, names, lrs=(), norms=_NORMS):
-        # (lrs: "" for one rate, else by label; norms: grad_norm, param_norm, then a layer's)
+    def __init__(self, names, lrs=(), norms=_NORMS, totals=()):
+        # (lrs: "" for one rate, else by label; norms: grad_norm, param_norm, then a layer's;
+        # totals: the names of `Total`s, summed over the run on the host)
         self.names, self.lrs, self.norms = tuple(names), tuple(lrs), tuple(norms)
+        self.totals = tuple(totals)
         n, m = len(self.names), len(self.norms)
         # The parts of `sums`, where each starts and ends: its one layout.
         self.parts = dict(zip(("totals", "weights", "norms", "lrs"), (
@@ -1683,9 +1720,10 @@ def _log_norm(state, config, tree):
 
 def _totals_and_weights(metrics, rows):
     """Metrics as one [2, n] array of totals and weights: a `Weighted` as given (a negative
-    weight becomes NaN, which the host reports), a plain mean `m` as `(rows * m, rows)`."""
+    weight becomes NaN, which the host reports), a plain mean `m` as `(rows * m, rows)`, a
+    `Total` as `(value, 1)` (its sums are run totals: `_Readings`)."""
     pairs = [(m.total, jnp.where(m.weight >= 0, m.weight, jnp.nan)) if isinstance(m, Weighted)
-             else (rows * m, rows) for m in metrics]
+             else (m.value, 1) if isinstance(m, Total) else (rows * m, rows) for m in metrics]
     return jnp.array(pairs, jnp.float32).T.reshape(2, len(pairs))
 
 
@@ -1744,7 +1782,8 @@ def _build_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     eval_data = eval_data or {}
     key = (config, mesh, train_data and _kinds(train_data.spec),
            tuple((n, _kinds(t.spec)) for n, t in eval_data.items()), jax.tree.structure(state),
-           tuple(x.sharding for x in jax.tree.leaves(state)), jax.tree.structure(frozen))
+           tuple(x.sharding for x in jax.tree.leaves(state)), jax.tree.structure(frozen),
+           _own_code())
     reuse = config.linen  # (nnx closures hold the model: never kept)
     steps = _cached(key, reuse, lambda: _new_steps(state, train_data, eval_data, config, mesh,
                                                    frozen=frozen))
@@ -1759,10 +1798,19 @@ def _build_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
 _STEPS = collections.OrderedDict()  # the compiled steps of the last few calls (_cached)
 
 
+def _own_code():
+    """fit's own functions and classes' methods as they are now (~0.1 ms): part of the steps' key,
+    so that one replaced after a first call (`fit._gradient_step = patched`) is traced anew."""
+    mine = [v for v in globals().values() if getattr(v, "__module__", None) == __name__]
+    return tuple(f for v in mine for f in [v, *(vars(v).values() if isinstance(v, type) else ())]
+                 if callable(f))
+
+
 def _cached(key, reuse, build):
     """`build()`, or what it made for an equal `key`, kept among the 8 last used if `reuse`. The key
-    holds your functions, not what they read: a global a loss reads stays as it was at the trace,
-    as in any jax.jit; pass such a value in the state or the batch, or call `_STEPS.clear()`."""
+    holds your functions and fit's own (`_own_code`), not what they read: a global a loss reads
+    stays as it was at the trace, as in any jax.jit; pass such a value in the state or the batch,
+    or call `_STEPS.clear()`."""
     try:
         hash(key)
     except TypeError:  # (a function or an optimizer that cannot be a key)
@@ -1807,7 +1855,8 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     lrs = [""] if config.lr_fn is not None else list(_lr_in(state.opt_state))
     lr_of = (lambda s: config.lr_fn(s.step - 1)) if config.lr_fn is not None else (
         lambda s: jnp.stack(list(_lr_in(s.opt_state).values()))) if lrs else None
-    sums = _TrainSums(names, lrs, norms=_NORMS + tuple(k for k in norms if k not in _NORMS))
+    sums = _TrainSums(names, lrs, norms=_NORMS + tuple(k for k in norms if k not in _NORMS),
+                      totals=[k for k in names if isinstance(metrics[k], Total)])
     one = functools.partial(_train_and_accumulate, _StepParts(step_fn, sums, lr_of, config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
@@ -1872,7 +1921,7 @@ def _jit_eval(state, test, config, mesh):
     inner = jax.jit(_under(mesh, eval_step or loss_eval))
     who = "eval_step" if eval_step else config.loss_name
     shapes = _trace(inner, state, test.spec, config, not (eval_step or own) and "eval")
-    sums = _EvalSums(_as_dict(shapes, "accuracy"), who)
+    sums = _EvalSums(_as_dict(shapes, "accuracy"), who, bare=not isinstance(shapes, dict))
     _per_example(inner, state, test.spec, sums.arrays, who)
 
     def _eval_and_accumulate(state, acc, batch, frozen=None):
@@ -1893,8 +1942,9 @@ class _EvalSums:
     there one batch late. A state's `compute()` runs once per eval; a dict gives a metric a key.
     Every batch is counted once: one that does not split over the devices runs whole on each."""
 
-    def __init__(self, shapes, who):
+    def __init__(self, shapes, who, bare=False):
         kinds = {name: _eval_kind(name, value, who) for name, value in shapes.items()}
+        self.bare = bare  # (a bare number, named "accuracy": said at the first eval)
         of = lambda kind: {k: shapes[k] for k in shapes if kinds[k] == kind}
         self.scalars, self.arrays, self.states = list(of("scalar")), of("array"), of("state")
         self.host = list(of("host"))
@@ -2004,9 +2054,10 @@ class _Plan:
         averaged = _ema_params(getattr(state, "opt_state", None)) is not None  # (fit.ema's)
         self.ema = averaged and opts.ema_eval and bool(eval_data)  # evals of the average too
         python = list(opts.eval_metrics or {})  # (computed in Python: _python_metrics)
-        eval_names = {name: sums.names + python for name, sums in steps.eval_sums.items()}
+        # Each eval set's scalar metrics, all that an eval gives (`_Loop.evals` holds it to them).
+        self.eval_names = {name: sums.names + python for name, sums in steps.eval_sums.items()}
         self.monitor, self.mode = _pick_monitor(opts.monitor, opts.mode, steps.train_names,
-                                                eval_names, self.ema)
+                                                self.eval_names, self.ema)
         self.best = f"best by {self.monitor} ({self.mode})" if self.monitor else \
             "no best (no eval set or monitor=), the latest kept"  # (said at the start)
 
@@ -2057,7 +2108,8 @@ def _pick_monitor(monitor, mode, train_names, eval_names, averaged=False):
         near = difflib.get_close_matches(monitor, names, n=1)
         raise ValueError(f"fit: monitor={monitor!r} is not a metric of this run; it has {names}"
                          f"{f'. Did you mean {near[0]!r}?' if near else ''} (Arrays, such as a "
-                         f"confusion matrix, cannot be the monitor.)")
+                         f"confusion matrix, cannot be the monitor; a metric added in fit's eval "
+                         f"code is named in _EvalSums.names too.)")
     if mode == "auto" and not _mode_of(monitor):
         raise ValueError(f"fit: cannot tell from its name whether monitor={monitor!r} is "
                          f"better higher or lower; pass mode='min' or mode='max'.")
@@ -2142,12 +2194,16 @@ class _Progress:
         than that one did. Options that differ from the saved call's are recorded."""
         for name in {f.name for f in dataclasses.fields(self)} - set(self.CALL):
             setattr(self, name, getattr(prior, name))
-        if prior.positions and len(prior.positions) == jax.process_count():  # (each its own)
-            self.position = prior.positions[jax.process_index()]
         self.stop = prior.stop if prior.final(*self.target) else None
         before, now = prior.options or {}, self.options or {}
         self.changed = {k: (before.get(k), now.get(k)) for k in sorted({*before, *now})
                         if before and before.get(k) != now.get(k)}
+
+    def here(self):
+        """Where this process's data goes on: its own position, where each process saved one."""
+        if self.positions and len(self.positions) == jax.process_count():
+            return self.positions[jax.process_index()]
+        return self.position
 
     def saving(self, **moving):
         """At a save: every field that moves during a run, each one given (one left out would be
@@ -2157,6 +2213,21 @@ class _Progress:
             raise TypeError(f"_Progress.saving: got {sorted(moving)}, not {sorted(fields)}: a "
                             f"field that moves is given at each save, in _Loop.checkpoint.")
         vars(self).update(moving)
+
+    def __getattribute__(self, name):  # (each field read is recorded: `check_read`)
+        if not name.startswith("_"):
+            object.__getattribute__(self, "__dict__").setdefault("_read", set()).add(name)
+        return object.__getattribute__(self, name)
+
+    def check_read(self):
+        """Where a run starts (`_Loop`), after any restore: every field that moves has been read
+        back (a field added and given to `saving` but not read would resume silently from 0)."""
+        fields = {f.name for f in dataclasses.fields(self)} - {*self.CALL, *self.RUN}
+        unread = sorted(fields - vars(self).get("_read", set()))
+        if unread:
+            raise TypeError(f"_Progress: the fields {unread} are saved at each checkpoint but not "
+                            f"read where the run starts, so a resume would not go on from them; "
+                            f"read them (e.g. in _Loop.__init__: ckpts.progress.<field>).")
 
     def final(self, num_epochs, max_steps):
         """Whether a hook ended the run for good: it goes on only if asked to go further."""
@@ -2522,17 +2593,21 @@ def _fingerprint(frozen):
 
 class _Run:
     """What a hook sees: `event` (`train_start`, `log`, `epoch_end`, `eval`, `save` before a
-    checkpoint, `train_end`), `step`, `epoch`, `state` (valid during the call only; at `log`, one
-    call after `step`, whose interval `metrics` covers), `metrics`, `history`, `name`, `id` (the
+    checkpoint, `train_end`), `step`, `epoch`, `state` (valid during the call only), `metrics`, at
+    `log` the means of the interval up to `step` (a log step's `train/grad_norm`,
+    `train/param_norm` and `grad_norm/...`: at multiples of `log_every` only, so not at an epoch's
+    last log point if it falls between; read them with `run.metrics.get`), with `state` one call
+    past `step` (the host reads a log point's sums after dispatching the next call), but at `step`
+    itself where an epoch ends or a save falls there (read at once), `history`, `name`, `id` (the
     same on every resume, e.g. for `wandb.init(id=run.id, resume="allow")`), `monitor`, `mode`,
     `best`, `log_dir`, `ckpt_dir`, `writer`, `total_steps`, `num_epochs`, `stopped_early`,
     `interrupted`, `resumed`, `frozen` (an nnx model's frozen base, which `state` leaves out, or
-    None); `arrays` (at `eval`: array metrics, e.g. a confusion matrix, `{tag: ndarray}`;
-    `metrics` holds floats only, so `json.dumps(run.metrics)` works). A hook may set `stop` (final),
-    `save`, and at train_end `state`; assigning `state` elsewhere or changing `metrics` raises (fit
-    has logged and ranked them: compute a metric with `eval_metrics=`). `with run.timed(name):`
-    times a hook's own work. `_Run` calls the hooks, keeps the
-    history and hooks' `get_state()`, and makes processes agree on what hooks and signals ask."""
+    None); `arrays` (at `eval`: array metrics, e.g. a confusion matrix, `{tag: ndarray}`; `metrics`
+    holds floats only, so `json.dumps(run.metrics)` works). A hook may set `stop` (final), `save`,
+    and at train_end `state`; assigning `state` elsewhere or changing `metrics` raises (fit has
+    logged and ranked them: compute a metric with `eval_metrics=`). `with run.timed(name):` times a
+    hook's own work. `_Run` calls the hooks, keeps the history and hooks' `get_state()`, and makes
+    processes agree on what hooks and signals ask."""
 
     def __init__(self, hooks, plan, ckpts, progress):
         best = self.best_of = ckpts.best
@@ -2763,8 +2838,9 @@ class _Readings:
     def __init__(self, dispatch, opts, sums, step):
         self.dispatch, self.steps, self.clock = dispatch, dispatch.steps, dispatch.clock
         self.skipping, self.norms, self.lr, self.logged = opts.on_nonfinite == "skip", {}, {}, step
-        # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far
-        self.sums = sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0}
+        # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far;
+        # "run": each `Total`'s sum since the run began
+        self.sums = {"run": {}, **(sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0})}
         self.pending = collections.deque()  # log points to read: (sums, step, log?, calls)
 
     def read(self, step, log_due, sync=False):
@@ -2802,6 +2878,8 @@ class _Readings:
             part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
                        for k, v in values.items()}
         self.sums["skipped"] += n_bad
+        for k in self.steps.train_sums.totals:
+            self.sums["run"][k] = self.sums["run"].get(k, 0.0) + values[k][0]
         self.lr = lr
 
     def _interval(self, step):
@@ -2837,8 +2915,10 @@ class _Readings:
         where = "an epoch" if part == "epoch" else f"the log interval after step {self.logged}"
         means = {f"train/{k}": _mean(k, *v, "the train step", where) if n else math.nan
                  for k, v in sums.items()}
+        means |= {f"train/{k}": self.sums["run"][k] for k in self.steps.train_sums.totals
+                  if f"train/{k}" in means}  # (a Total: the run's sum so far)
         if self.skipping:
-            means["train/skipped_steps"] = self.sums["skipped"]
+            means["train/skipped_steps"] = float(self.sums["skipped"])
         return means
 
 
@@ -2967,6 +3047,7 @@ class _Loop:
     def __init__(self, run, readings, ckpts, signals, *, plan, eval_data, python, verbose):
         self.run, self.readings, self.ckpts, self.signals = run, readings, ckpts, signals
         self.plan, self.eval_data, self.python, self.verbose = plan, eval_data, python, verbose
+        ckpts.progress.check_read()  # (the run's parts are built: each read what it goes on from)
 
     def log(self, state, step, epoch, *, due=False, sync=False):
         """A `log` event for each log point whose sums `_Readings.read` returns; at the loop's own
@@ -3000,6 +3081,8 @@ class _Loop:
                 for k, v in values.items():  # (arrays: to hooks and TensorBoard, not the history)
                     tag = _metric_tag(part, name, k)
                     (arrays if isinstance(v, np.ndarray) else metrics)[tag] = v
+        if self.run.last_eval is None:  # (the first eval of this call)
+            _check_first_eval(self.plan, self.readings.steps.eval_sums, metrics, self.verbose)
         run, run.last_eval = self.run, step
         run.record(metrics, ("eval/epoch", epoch + 1), ("eval/step", step))
         run.save = run.best_of.track(metrics, step) or run.save
@@ -3256,6 +3339,7 @@ def _jsonable(tree):
 # it:
 #   fit: _check_state, _check_data, _check_plan, _check_schedule
 #   _adapt: _nnx_optimizer, _nnx_fits, _check_frozen
+#   _Loop: _check_first_eval
 #   _new_steps, _jit_eval, _train_and_accumulate: _trace, _metric_names, _per_example, _warn_dtypes
 #   _Checkpoints: _claim_run, _quiet, _cause
 #   _meta, _restore, _restore_weights: _restoring, _unrestorable, _check_fits
@@ -3450,7 +3534,7 @@ def _trace(fn, state, spec, config, fit_calls=False):
 def _metric_names(metrics, who, default):
     """The names of a step's metrics, from their shapes (jax.eval_shape): each must be a scalar."""
     for name, value in _as_dict(metrics, default).items():
-        for part in value if isinstance(value, Weighted) else [value]:
+        for part in value if isinstance(value, (Weighted, Total)) else [value]:
             if getattr(part, "shape", ()) != () or not jnp.issubdtype(part.dtype, jnp.number):
                 raise TypeError(f"fit: {who} must return scalar metrics (per-batch means or "
                                 f"Weighted(total, weight) of scalars), but metric {name!r} has "
@@ -3504,6 +3588,36 @@ def _check_frozen(after, before):
                              f"batch, so fit holds it as a frozen base and would not keep the "
                              f"change; make it another nnx.Variable type (as BatchStat), or "
                              f"train it (wrt).")
+
+
+def _check_first_eval(plan, eval_sums, metrics, verbose):
+    """At a call's first eval: every scalar metric is one the plan knew (a metric added in fit's
+    eval code must be named in `_EvalSums.names` too: the monitor is checked against those before
+    any work); a bare number `eval_step` returns, named `accuracy`, is said with its mode where it
+    is the monitor, and one outside [0, 1] is warned about: a loss returned bare would keep the
+    worst model as the best."""
+    parts = ("eval", "eval_ema")
+    known = {_metric_tag(part, name, n) for name, names in plan.eval_names.items()
+             for n in names for part in parts}
+    vague = [_metric_tag(part, name, "") for name, sums in eval_sums.items() for part in parts
+             if sums.states or sums.host]  # (a state's compute() keys: known when it runs)
+    unknown = sorted(t for t in set(metrics) - known if not t.startswith(tuple(vague)))
+    if unknown:
+        raise ValueError(f"fit: the eval gave {unknown}, which the plan does not know (a metric "
+                         f"added in fit's eval code): add its name to _EvalSums.names, where "
+                         f"the monitor is checked before any work.")
+    for name, sums in eval_sums.items():
+        tag = _metric_tag("eval", name, "accuracy")
+        if not sums.bare or tag not in metrics:
+            continue
+        if tag == plan.monitor:
+            _say(verbose, f"fit: eval_step returns a bare number, logged as {tag}: the best "
+                          f"checkpoint is its {'maximum' if plan.mode == 'max' else 'minimum'}.")
+        if not 0 <= metrics[tag] <= 1:
+            warnings.warn(f"fit: eval_step returns a bare number, which fit logs as {tag} (an "
+                          f"accuracy: the best is its maximum), but it is {metrics[tag]:.4g}, "
+                          f"outside [0, 1]. If it is a loss, return {{'loss': x}} (the best is "
+                          f"then its minimum); a percentage is fine as it is.", stacklevel=2)
 
 
 # -- The run's claim and lock ----------------------------------------------------------------------

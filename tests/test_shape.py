@@ -310,10 +310,14 @@ def test_progress_names_its_call_and_run_fields_and_a_save_gives_every_other():
 
 def test_a_new_progress_field_fails_the_first_save_rather_than_being_saved_stale(tmp_path,
                                                                                monkeypatch):
-    """A field added to `_Progress` (as a user would add one) and not given at the save raises
-    there, naming it, before any checkpoint is written: it cannot be saved with its first value."""
+    """A field added to `_Progress` (as a user would add one), read where the run starts but not
+    given at the save, raises there, naming it, before any checkpoint is written: it cannot be
+    saved with its first value."""
     edited = edited_fit(tmp_path, monkeypatch, ("    CALL, RUN = (",
-                                                "    extra: Any = None\n    CALL, RUN = ("))
+                                                "    extra: Any = None\n    CALL, RUN = ("),
+                        ("        ckpts.progress.check_read()",
+                         "        self.extra = ckpts.progress.extra\n"
+                         "        ckpts.progress.check_read()"))
     saves = []
     with pytest.raises(TypeError, match=r"_Progress\.saving.*'extra'"):
         edited.fit(edited.TrainState.create(apply_fn=MLP().apply, tx=optax.adam(1e-3),
@@ -337,6 +341,25 @@ def test_a_checkpoint_meta_holds_every_progress_field(tmp_path):
     finally:
         mgr.close()
     assert set(meta) == {f.name for f in dataclasses.fields(fit._Progress)}, sorted(meta)
+
+
+def test_a_new_progress_field_not_read_back_fails_before_any_step(tmp_path, monkeypatch):
+    """#52 (T12): a field added to `_Progress` and given at every save, but not read where the run
+    starts (as a count of examples seen whose counter started at 0 on resume), raises a TypeError
+    naming it before any step, on a fresh run as on a resume. (7711fde saved it and resumed
+    without it, silently.)"""
+    edited = edited_fit(tmp_path, monkeypatch, ("    CALL, RUN = (",
+                                                "    examples: Any = 0\n    CALL, RUN = ("),
+                        ("epoch=epoch, position=position, positions=",
+                         "examples=0, epoch=epoch, position=position, positions="))
+    events = []
+    with pytest.raises(TypeError, match=r"_Progress: the fields \['examples'\] are saved at each "
+                                        r"checkpoint but not read"):
+        edited.fit(edited.TrainState.create(apply_fn=MLP().apply, tx=optax.adam(1e-3),
+                                            params=make_state(MLP()).params), batches(4),
+                   loss_fn=loss_fn, hooks=[lambda e, run: events.append(e)],
+                   workdir=str(tmp_path / "w"), **COMMON)
+    assert "log" not in events and "save" not in events, events
 
 
 # Where fit calls jax.jit outside `_build_steps`' own `_new_steps` and `_jit_eval`: none of these

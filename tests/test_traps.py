@@ -45,8 +45,8 @@ def test_a_wrapped_linen_forward_compiles_once_and_gets_linen_advice(tmp_path, m
                                                                       compile_log):
     """The natural way to pass the forward an option: functools.partial(_linen_forward, ...)."""
     edited = edited_fit(tmp_path, monkeypatch, (
-        "return _Model(model, _linen_forward, opts.eval_step, _itself, _itself, True, None)",
-        "return _Model(model, _WRAPPED, opts.eval_step, _itself, _itself, True, None)"), (
+        'return _Model(model, _linen_forward, opts.eval_step, _itself, _itself, True, None, "")',
+        'return _Model(model, _WRAPPED, opts.eval_step, _itself, _itself, True, None, "")'), (
         "def _default_train_step(config):",
         "_WRAPPED = functools.partial(_linen_forward)\n\n\ndef _default_train_step(config):"))
     data, tx, apply_fn = batches(3), optax.adam(1e-3), MLP().apply
