@@ -253,8 +253,8 @@ class Options:
         (named sets: the first set's, `eval/<set>/accuracy`, ...); or `eval_ema/...`.
     mode="auto": "min" or "max"; "auto" reads the monitor's name (loss, accuracy, ...) or raises.
     log_name="run": runs are `<log_name>_<n>`, in `<workdir>/logs/` and `<workdir>/checkpoints/`.
-    workdir: where `logs/` and `checkpoints/` go; None: the current directory. A bucket,
-        `"gs://bucket/exp"`, needs gcsfs and google-cloud-storage; its run lock is a lease (`_Lease`).
+    workdir: where `logs/` and `checkpoints/` go; None: the current directory. A GCS bucket,
+        `"gs://bucket/exp"`, needs gcsfs and google-cloud-storage; its run lock is a `_Lease`.
     resume=False: a fresh run, `<log_name>_<n+1>`; True: go on with the latest run of `log_name`
         (afresh if it saved nothing); a run's name, e.g. `"mnist_3"`: that run. See fit.
     hparams: a dict for TensorBoard's HParams tab, beside the plain options and derived values.
@@ -3683,7 +3683,8 @@ class _Lease:
                                    f"{age:.0f} s ago); two writers would overwrite each other's "
                                    f"checkpoints. Wait for it to end (a dead writer's lock runs "
                                    f"out {_LEASE_S:.0f} s after it last renewed it), or give each "
-                                   f"member of a sweep its own log_name (or resume=\"<run name>\").")
+                                   f"member of a sweep its own log_name (or resume=\"<run "
+                                   f"name>\").")
             else:  # wait to see it renewed (live) or run out (dead)
                 if seen is None:
                     print(f"fit: run {os.path.basename(self.dir)} is locked by {holder}, renewed "

@@ -174,7 +174,8 @@ def killed(gcs, tmp_path_factory):
     second.wait()
     with open(root / "kill" / "out.json") as f:
         out = json.load(f)
-    return {"ref": np.load(root / "ref" / "final.npy"), "final": np.load(root / "kill" / "final.npy"),
+    return {"ref": np.load(root / "ref" / "final.npy"),
+            "final": np.load(root / "kill" / "final.npy"),
             "out": out, "killed_rc": first.proc.returncode, "left": listed,
             "second_lines": second.lines, "second_err": second.stderr()}
 
@@ -227,7 +228,7 @@ def test_load_ckpt_from_a_bucket_url(killed):
     assert int(early.step) == 48
 
 
-# -- 2. Two processes, one run in the bucket ------------------------------------------------------
+# -- 2. Two processes, one run in the bucket -------------------------------------------------------
 
 @pytest.mark.slow
 def test_two_processes_train_one_run_in_a_bucket(gcs, tmp_path):
@@ -246,7 +247,7 @@ def test_two_processes_train_one_run_in_a_bucket(gcs, tmp_path):
     assert [p for p in objects("multi/logs/store_1") if "tfevents" in p]  # (process 0's)
 
 
-# -- 3. Claims started together get a name each -------------------------------------------------
+# -- 3. Claims started together get a name each ----------------------------------------------------
 
 def test_claims_started_together_get_a_name_each(gcs):
     url = f"gs://{BUCKET}/race"
@@ -272,7 +273,7 @@ def test_claims_started_together_get_a_name_each(gcs):
     assert sorted(names) == [f"race_{n}" for n in range(1, 9)], names
 
 
-# -- 4. The lease: a live writer refused, a dead one's lock taken over, a lost lock ------------------
+# -- 4. The lease: a live writer refused, a dead one's lock taken over, a lost lock ----------------
 
 def test_a_live_run_is_not_resumed_and_a_dead_ones_lock_is_taken_over(gcs, monkeypatch):
     monkeypatch.setattr(fit, "_LEASE_S", 1.0)
@@ -330,7 +331,7 @@ def test_a_holder_that_lost_its_lock_saves_nothing(gcs, monkeypatch):
     assert not [p for p in objects("lost/checkpoints/lost_1") if p[0].isdigit()]
 
 
-# -- 5. A damaged checkpoint in the bucket ----------------------------------------------------------
+# -- 5. A damaged checkpoint in the bucket ---------------------------------------------------------
 
 def test_a_damaged_checkpoint_in_a_bucket_is_one_clear_error(gcs):
     url = f"gs://{BUCKET}/damaged"
