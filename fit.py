@@ -96,7 +96,7 @@ import orbax.checkpoint as ocp
 from flax.training import train_state
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tensorboardX import SummaryWriter
+from tensorboardX import SummaryWriter, record_writer
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import hparams as hparams_summaries, scalar as scalar_summary
@@ -267,7 +267,8 @@ class Options:
         `eval_ema/...`, or a train metric (`train/loss`: its best epoch's end is saved).
     mode="auto": "min" or "max"; "auto" reads the monitor's name (loss, accuracy, ...) or raises.
     log_name="run": runs are `<log_name>_<n>`, in `<workdir>/logs/` and `<workdir>/checkpoints/`.
-    workdir: where `logs/` and `checkpoints/` go; None: the current directory. No URLs: mount them.
+    workdir: where `logs/` and `checkpoints/` go; None: the current directory. A GCS bucket,
+        `"gs://bucket/exp"`, needs gcsfs and google-cloud-storage; its run lock is a `_Lease`.
     resume=False: a fresh run, `<log_name>_<n+1>`; True: go on with the latest run of `log_name`
         (afresh if it saved nothing); a run's name, e.g. `"mnist_3"`: that run. See fit.
     hparams: a dict for TensorBoard's HParams tab, beside the plain options and derived values.
@@ -370,9 +371,10 @@ class Options:
         **dict.fromkeys(("tensorboard", "ema_eval", "save_frozen"), (TypeError, lambda v:
                                                                      isinstance(v, bool),
                                                       "True or False")),
-        "workdir": (ValueError, lambda v: isinstance(v, (str, os.PathLike)) and not re.match(
-            r"[a-zA-Z][\w+.-]*://", str(v)), "a local directory (URLs such as gs://... are not "
-                    "supported: use a mounted path)"),
+        "workdir": (ValueError, lambda v: isinstance(v, (str, os.PathLike)) and (not _is_url(
+            v) or re.fullmatch(r"gs://[\w.-]+(/.*)?", str(v))), "a local directory or a bucket, "
+                    "gs://bucket/path (other URLs, s3:// too, are not stores orbax-checkpoint 0.12 "
+                    "writes arrays to: mount them)"),
         "log_name": (ValueError, lambda v: isinstance(v, str) and re.fullmatch(r"[\w.-]+", v),
                      "a non-empty name of letters, digits, '_', '-' or '.'"),
     }
@@ -563,8 +565,9 @@ def _load(state, ckpt_dir, step, *, weights_only, ema, frozen=None):
         raise ValueError("load_ckpt: ema=True restores the whole state, so its optimizer must be "
                          "the run's, with fit.ema(tx); to load the average into a state with "
                          "another optimizer or none, pass weights_only=True.")
-    ckpt_dir = os.path.abspath(os.path.expanduser(ckpt_dir))
-    if not os.path.isdir(ckpt_dir):
+    url = _is_url(ckpt_dir)  # (a bucket's: as given; its client is checked first)
+    ckpt_dir = str(ckpt_dir).rstrip("/") if url else os.path.abspath(os.path.expanduser(ckpt_dir))
+    if not (_Bucket(ckpt_dir, "load_ckpt").isdir(ckpt_dir) if url else os.path.isdir(ckpt_dir)):
         raise FileNotFoundError(f"load_ckpt: no checkpoint directory at {ckpt_dir}.")
     mgr = _open(ckpt_dir, ocp.CheckpointManagerOptions(create=False))
     try:
@@ -2293,14 +2296,20 @@ class _Checkpoints:
     naming the step, the cause and the last good checkpoint, which stays intact."""
 
     def __init__(self, opts, best, progress, claim=True, frozen=None):
-        workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
-        while not os.path.exists(probe):  # fail before any directory is made
-            probe = os.path.dirname(probe)
-        if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
-            why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
-            raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; "
-                                  f"pass workdir= a directory you can write to.")
-        self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume, claim)
+        self.store = None  # (a bucket's client, `_Bucket`; None: a local disk)
+        if _is_url(opts.workdir or ""):  # (its client and the bucket checked, then used as is)
+            workdir = opts.workdir.rstrip("/")
+            self.store = _Bucket(workdir, "fit", logs=opts.tensorboard and jax.process_index() == 0)
+        else:
+            workdir = probe = os.path.abspath(os.path.expanduser(opts.workdir or os.getcwd()))
+            while not os.path.exists(probe):  # fail before any directory is made
+                probe = os.path.dirname(probe)
+            if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+                why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
+                raise PermissionError(f"fit: workdir {workdir!r} cannot be used: {probe!r} {why}; "
+                                      f"pass workdir= a directory you can write to.")
+        self.run, self.resumed, self.lock = _claim_run(workdir, opts.log_name, opts.resume, claim,
+                                                       store=self.store)
         self.logs = os.path.join(workdir, "logs")  # (tensorboard --logdir)
         self.log_dir = os.path.join(self.logs, self.run)
         self.ckpt_dir = os.path.join(workdir, "checkpoints", self.run)
@@ -2358,6 +2367,8 @@ class _Checkpoints:
 
     def write(self, step, state, value):
         self.wait()  # the previous save commits first (orbax would wait here too)
+        if getattr(self.lock, "lost", None):  # (a bucket's lease that another writer took over)
+            raise RuntimeError(self.lock.lost)
         with self._failure(step):
             whole = _with_base(state, self.frozen) if self.save_frozen else state
             saved = self.mgr.save(step, metrics=None if value is None else {self.monitor: value},
@@ -2419,6 +2430,74 @@ def _open(ckpt_dir, options):
         sys.unraisablehook, unraisable.fit_quiet = unraisable, True
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
     return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers, options=options)
+
+
+def _is_url(path):
+    return re.match(r"[a-zA-Z][\w+.-]*://", os.fspath(path)) is not None
+
+
+class _Bucket:
+    """A workdir in a GCS bucket, `gs://bucket/path`, through fsspec's client for it, gcsfs: the
+    one orbax's paths take there too (its arrays go through tensorstore, TensorBoard's logs
+    through google-cloud-storage). What fit needs that a disk gives by itself: listing, reading,
+    a create only if absent (`ifGenerationMatch=0`) and an object's age; no flock (`_Lease`)."""
+
+    def __init__(self, url, who, logs=False):
+        if not re.fullmatch(r"gs://[\w.-]+(/.*)?", url):
+            raise ValueError(f"{who}: {url!r} is not a bucket fit can write to: a local directory "
+                             f"or gs://bucket/path (orbax-checkpoint 0.12 writes arrays to gs:// "
+                             f"only: mount other stores).")
+        need = "pip install gcsfs google-cloud-storage: gcsfs for checkpoints and the run's lock"
+        try:
+            import fsspec  # (gcsfs's base; not one of fit's packages, needed for a bucket only)
+            self.fs = fsspec.filesystem("gs")
+        except ImportError as e:
+            raise ImportError(f"{who}: a workdir in a bucket ({url}) needs {need}, "
+                              f"google-cloud-storage for TensorBoard's logs ({e}).") from None
+        if logs and not record_writer.GCS_ENABLED:  # (tensorboardX's writer to a bucket)
+            raise ImportError(f"{who}: TensorBoard's logs in a bucket ({url}) need "
+                              f"google-cloud-storage: {need}, or pass tensorboard=False.")
+        bucket = url.split("/")[2]
+        if not self.fs.exists(bucket):
+            raise FileNotFoundError(f"{who}: {url!r}: there is no bucket {bucket!r}, or it is not "
+                                    f"yours to read; create it, or pass one you can write to.")
+        self.checked = False  # (whether the store has been seen to honour a create's condition)
+
+    def listdir(self, url):
+        with contextlib.suppress(FileNotFoundError):  # (listed afresh: other hosts write too)
+            return [p.rsplit("/", 1)[-1] for p in self.fs.ls(url[5:], detail=False, refresh=True)]
+        return []
+
+    def isdir(self, url):
+        self.fs.invalidate_cache()
+        return self.fs.isdir(url[5:])
+
+    def create(self, url, text):
+        """Writes `text` at `url` only if nothing is there (GCS `ifGenerationMatch=0`): False if
+        something is, then or by a writer that came first. The first success is tried again: a
+        store that takes it twice ignores preconditions, and fit says so."""
+        try:
+            self.fs.pipe(url[5:], text.encode(), mode="create")
+        except FileExistsError:
+            return False
+        if not self.checked:
+            self.checked = True
+            if self.create(url, text):
+                warnings.warn(f"fit: the store of {url} ignored a precondition (GCS "
+                              f"ifGenerationMatch=0) and wrote it twice: runs' claims and locks "
+                              f"are not atomic there, so two runs started together may take one "
+                              f"name, and a second writer may not be refused.")
+        return True
+
+    def read(self, url):
+        return self.fs.cat_file(url[5:]).decode()
+
+    def age(self, url):  # (seconds since its write, by the store's clock against this host's)
+        return time.time() - self.fs.modified(url[5:]).timestamp()
+
+    def remove(self, url):
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(url[5:])
 
 
 def _restore_all(mgr, step, state, who, *, frozen=None, **kwargs):
@@ -2620,7 +2699,7 @@ class _Run:
         self.log_dir, self.ckpt_dir, self.writer = ckpts.log_dir, ckpts.ckpt_dir, None
         self.frozen, self.resumed = ckpts.frozen, ckpts.resumed  # (the nnx base; a resumed run)
         # The run's name, and an id that no other workdir's run of that name has (for trackers)
-        where = hashlib.sha256(os.path.abspath(ckpts.ckpt_dir).encode()).hexdigest()[:8]
+        where = hashlib.sha256(ckpts.ckpt_dir.encode()).hexdigest()[:8]  # (absolute, or a URL)
         self.name, self.id = ckpts.run, f"{ckpts.run}-{where}"
         history = self.history = History(progress.history)
         history.run, history.log_dir, history.ckpt_dir = ckpts.run, ckpts.log_dir, ckpts.ckpt_dir
@@ -3622,14 +3701,14 @@ def _check_first_eval(plan, eval_sums, metrics, verbose):
 
 # -- The run's claim and lock ----------------------------------------------------------------------
 
-def _claim_run(workdir, log_name, resume, claim=True):
+def _claim_run(workdir, log_name, resume, claim=True, *, store=None):
     """`(name, whether it has a checkpoint, the lock)` of the run picked: a fresh run the next free
     `<log_name>_<n>`, `resume=True` the highest n, `resume="<name>"` that one. Process 0 claims;
-    the others get its answer or its refusal."""
+    the others get its answer or its refusal. `store`: a bucket's `_Bucket`."""
     answer, lock = ["", False, None, ""], None
     if jax.process_index() == 0:
         try:
-            name, restored, lock = _claim(workdir, log_name, resume, claim)
+            name, restored, lock = _claim(workdir, log_name, resume, claim, store)
             answer = [name, restored, None, ""]
         except (ValueError, RuntimeError) as e:
             answer = ["", False, type(e).__name__, str(e)]
@@ -3639,25 +3718,29 @@ def _claim_run(workdir, log_name, resume, claim=True):
     return name, restored, lock
 
 
-def _claim(workdir, log_name, resume, claim=True):
+def _claim(workdir, log_name, resume, claim=True, store=None):
     """A fresh run claims its directory with an exclusive mkdir (two processes started at once get
     two runs); every run then holds an advisory lock: a second writer is refused, and a writer that
-    dies releases it (the kernel drops its locks). `claim=False` (past the end) makes nothing."""
+    dies releases it (the kernel drops its locks). `claim=False` (past the end) makes nothing. In a
+    bucket (`store`): an object created only if absent (`_made`), and a lease (`_Lease`)."""
     root = os.path.join(workdir, "checkpoints")
     listed = lambda path: os.listdir(path) if os.path.isdir(path) else []
+    lock = _lock
+    if store is not None:
+        listed, lock = store.listdir, functools.partial(_Lease, store)
     runs = sorted(set(listed(os.path.join(workdir, "logs")) + listed(root)))
     has_steps = lambda run: any(d.isdigit() for d in listed(os.path.join(root, run)))
     if isinstance(resume, str):  # (processes see one shared workdir, as orbax needs)
         if resume not in runs:
             raise ValueError(f"fit: resume={resume!r} is not a run in {workdir}; its runs: "
                              f"{runs or 'none'}. Pass one of them, or resume=True for the latest.")
-        return resume, has_steps(resume), _lock(os.path.join(root, resume))
+        return resume, has_steps(resume), lock(os.path.join(root, resume))
     taken = [int(m.group(1)) for m in map(re.compile(re.escape(log_name) + r"_(\d+)").fullmatch,
                                           runs) if m]
     if resume and taken:  # the latest run: from its checkpoint, or afresh if it saved none
         name = f"{log_name}_{max(taken)}"
         try:
-            return name, has_steps(name), _lock(os.path.join(root, name))
+            return name, has_steps(name), lock(os.path.join(root, name))
         except RuntimeError:
             if has_steps(name):
                 raise
@@ -3668,11 +3751,23 @@ def _claim(workdir, log_name, resume, claim=True):
         return f"{log_name}_{n + 1}", False, None
     while True:  # the next n that no other process has claimed meanwhile
         n += 1
-        os.makedirs(root, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(os.path.join(root, f"{log_name}_{n}"))
+        run_dir = os.path.join(root, f"{log_name}_{n}")
+        if _made(run_dir, store):
             with contextlib.suppress(RuntimeError):  # (a resume of it, started at once, won)
-                return f"{log_name}_{n}", False, _lock(os.path.join(root, f"{log_name}_{n}"))
+                return f"{log_name}_{n}", False, lock(run_dir)
+
+
+def _made(run_dir, store=None):
+    """Whether this process made `run_dir`, by an exclusive mkdir; in a bucket (`store`), by its
+    object `fit.run` created only if absent, kept as a directory is (the lock's come and go)."""
+    if store is not None:
+        return store.create(os.path.join(run_dir, "fit.run"), "")
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    try:
+        os.mkdir(run_dir)
+        return True
+    except FileExistsError:
+        return False
 
 
 def _lock(run_dir):
@@ -3697,6 +3792,89 @@ def _lock(run_dir):
     lock.write(f"host {socket.gethostname()}, pid {os.getpid()}")
     lock.flush()
     return lock
+
+
+_LEASE_S = 60.0  # seconds a run's lock in a bucket lives unrenewed (renewed every quarter of it)
+
+
+class _Lease:
+    """The run's lock in a bucket, which has no flock: a chain of objects `fit.lock.<k>`, each
+    created only if absent, so of two writers after the same k one wins. The holder renews it
+    every `_LEASE_S / 4` s by creating k + 1 (a thread) and frees it at close with an empty one.
+    A second writer is refused once it has seen the chain move on, as flock refuses it; a lock
+    not renewed for `_LEASE_S` s is a dead holder's, and taken over (so a killed run's resume
+    waits up to that long). A holder that could not renew in time has `lost` it: its next save
+    raises."""
+
+    def __init__(self, bucket, run_dir):
+        self.bucket, self.dir, self.lost = bucket, run_dir, None
+        self.holder = f"host {socket.gethostname()}, pid {os.getpid()}"
+        self.k = self._take()
+        self.renewed, self.done = time.monotonic(), threading.Event()
+        self.thread = threading.Thread(target=self._renew, daemon=True)
+        self.thread.start()
+
+    def _path(self, k):
+        return os.path.join(self.dir, f"fit.lock.{k}")
+
+    def _take(self):
+        """The next k once the newest lock is free or its holder's lease has run out."""
+        seen, number = None, re.compile(r"fit\.lock\.(\d+)").fullmatch
+        while True:
+            chain = [int(m.group(1)) for m in map(number, self.bucket.listdir(self.dir)) if m]
+            k = max(chain, default=0)
+            holder, age = "", None
+            if k:
+                with contextlib.suppress(FileNotFoundError):
+                    holder, age = self.bucket.read(self._path(k)), self.bucket.age(self._path(k))
+                if age is None:
+                    continue  # (renewed and cleared meanwhile: look again)
+            if not holder or age > _LEASE_S:
+                if self.bucket.create(self._path(k + 1), self.holder):
+                    for old in chain:  # (the earlier holders' objects)
+                        self.bucket.remove(self._path(old))
+                    return k + 1
+            elif seen not in (None, k):  # renewed while this process waited: a live writer
+                raise RuntimeError(f"fit: run {os.path.basename(self.dir)} is being written by "
+                                   f"{holder}, which holds {self._path(k)} (renewed "
+                                   f"{age:.0f} s ago); two writers would overwrite each other's "
+                                   f"checkpoints. Wait for it to end (a dead writer's lock runs "
+                                   f"out {_LEASE_S:.0f} s after it last renewed it), or give each "
+                                   f"member of a sweep its own log_name (or resume=\"<run "
+                                   f"name>\").")
+            else:  # wait to see it renewed (live) or run out (dead)
+                if seen is None:
+                    print(f"fit: run {os.path.basename(self.dir)} is locked by {holder}, renewed "
+                          f"{age:.0f} s ago; waiting to see it renewed (a live writer: refused) or "
+                          f"run out (a dead one: taken over, at most {_LEASE_S:.0f} s).",
+                          file=sys.stderr)
+                seen = k
+                time.sleep(min(_LEASE_S / 3, _LEASE_S - age) + 0.1)
+
+    def _renew(self):
+        while not self.done.wait(_LEASE_S / 4):
+            try:
+                if not self.bucket.create(self._path(self.k + 1), self.holder):
+                    break  # taken over: this process was silent for too long
+                self.k, self.renewed = self.k + 1, time.monotonic()
+                self.bucket.remove(self._path(self.k - 2))
+            except Exception:  # (the store out of reach: tried again until the lease runs out)
+                if time.monotonic() - self.renewed > _LEASE_S:
+                    break
+        if not self.done.is_set():
+            self.lost = (f"fit: this process lost run {os.path.basename(self.dir)}'s lock "
+                         f"{self._path(self.k)}: it could not renew it for {_LEASE_S:.0f} s, and "
+                         f"another writer may hold it now; the checkpoint is not saved, so as not "
+                         f"to overwrite theirs. Call fit again with resume=True.")
+
+    def close(self):
+        self.done.set()
+        self.thread.join()
+        if self.lost is None:  # free for the next writer at once (if this fails: in _LEASE_S)
+            with contextlib.suppress(Exception):
+                self.bucket.create(self._path(self.k + 1), "")
+                self.bucket.remove(self._path(self.k - 1))
+                self.bucket.remove(self._path(self.k))
 
 
 # -- Checkpoints that do not fit or are damaged; failed saves --------------------------------------
@@ -3740,8 +3918,9 @@ def _unrestorable(mgr, step, error, who):
     """The error for a damaged checkpoint: its step, the cause, the earlier steps, how to go on."""
     path = os.path.join(str(mgr.directory), str(step))
     earlier = sorted(s for s in mgr.all_steps() if s < step)
+    mv = "gcloud storage mv" if _is_url(path) else "mv"  # (a bucket's "directory": its objects)
     go_on = (f"The run's earlier checkpoints: steps {earlier}. To go on from step {earlier[-1]}, "
-             f"move the damaged one aside (mv {path} {path}.damaged), then call fit again with "
+             f"move the damaged one aside ({mv} {path} {path}.damaged), then call fit again with "
              f"resume=True (or load_ckpt(..., step={earlier[-1]}))" if earlier else
              "It is the run's only checkpoint (fit keeps the latest and the max_to_keep best), "
              "so there is none to go back to: start a fresh run")
