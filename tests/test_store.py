@@ -336,10 +336,10 @@ def test_a_holder_that_lost_its_lock_saves_nothing(gcs, monkeypatch):
 def test_a_damaged_checkpoint_in_a_bucket_is_one_clear_error(gcs):
     url = f"gs://{BUCKET}/damaged"
     x, y = make_data(64)
-    opts = dict(loss_fn=loss_fn, eval_step=lambda s, b: -loss_fn(s.apply_fn(
-        {"params": s.params}, b[0], train=False), b[1]), batch_size=16, num_epochs=4,
+    opts = dict(loss_fn=loss_fn, eval_step=lambda s, b: {"loss": loss_fn(s.apply_fn(
+        {"params": s.params}, b[0], train=False), b[1])}, batch_size=16, num_epochs=4,
         ckpt_every=4, max_to_keep=3, workdir=url, log_name="dmg", verbose=0,
-        monitor="eval/accuracy", mode="max", tensorboard=False)
+        monitor="eval/loss", tensorboard=False)
     _, history = fit.fit(make_state(), (x, y), (x, y), **opts)
     ckpt_dir = history.ckpt_dir
     listed = objects("damaged/checkpoints/dmg_1")
