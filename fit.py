@@ -2204,9 +2204,10 @@ class _Progress:
 
     def here(self):
         """Where this process's data goes on: its own position, where each process saved one."""
-        if self.positions and len(self.positions) == jax.process_count():
-            return self.positions[jax.process_index()]
-        return self.position
+        position, positions = self.position, self.positions  # (both read: check_read)
+        if positions and len(positions) == jax.process_count():
+            return positions[jax.process_index()]
+        return position
 
     def saving(self, **moving):
         """At a save: every field that moves during a run, each one given (one left out would be
