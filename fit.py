@@ -1539,19 +1539,30 @@ def _gathered_forward(config):
 
 def _accum_gap(config, state, batch):
     """grad_accum's default mode, checked (traced; run once, at the first step, apart from the
-    train step: `_check_accum`): on `batch`, the model in eval mode (so that BatchNorm and
-    Dropout do not count), the gradient of the microbatches' losses (`_accumulate`) against the
-    whole batch's (`_value_and_grad`). Returns `(|difference| / |whole|, the whole batch's loss,
-    the microbatches')`: the difference is rounding for a loss that sums over rows, large for
-    one that couples them."""
+    train step: `_check_accum`), on a microbatch's worth of `batch`'s rows, so in a microbatch's
+    memory: the first and the last half-microbatch of each device's rows, taken together and as
+    two microbatches (`_value_and_grad` against `_accumulate`), the model in eval mode (so that
+    BatchNorm and Dropout do not count). Returns `(|difference| / |together| of the gradients,
+    the loss together, the loss as microbatches)`: rounding for a loss that sums over rows, large
+    for one that couples them (a batch's first rows and last differ: a token mean's counts)."""
     def loss_of(params, stats, batch, rng):
         out, _ = config.forward(config.loss_fn, state, params, batch, rng, train=False)
         loss = _split_loss(out, config.loss_name)[0]
         return loss.total if isinstance(loss, Weighted) else loss, (loss, {}, stats)
 
-    args = (state.params, getattr(state, "batch_stats", {}), batch, _step_key(state, config.seed))
-    (whole, loss, *_), (parts, acc, *_) = (f(loss_of, *args, config=config) for f in (
-        _value_and_grad, _accumulate))
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    d = config.shards if rows % config.shards == 0 else 1  # (as _accumulate's microbatches)
+    h = max(rows // (d * config.grad_accum) // 2, 1)
+
+    def ends(a):  # each device's first h rows and last h, as one microbatch
+        a = a.reshape(d, -1, *a.shape[1:])
+        return jnp.concatenate([a[:, :h], a[:, -h:]], 1).reshape(-1, *a.shape[2:])
+    two = dataclasses.replace(config, options=tuple((n, 2 if n == "grad_accum" else v)
+                                                    for n, v in config.options))
+    args = (state.params, getattr(state, "batch_stats", {}), jax.tree.map(ends, batch),
+            _step_key(state, config.seed))
+    (whole, loss, *_), (parts, acc, *_) = (f(loss_of, *args, config=c) for f, c in (
+        (_value_and_grad, config), (_accumulate, two)))
     mean = lambda loss: loss.total / loss.weight if isinstance(loss, Weighted) else loss
     gap = optax.tree.norm(jax.tree.map(jnp.subtract, whole, parts)) / optax.tree.norm(whole)
     return jnp.stack([gap, mean(loss), mean(acc)]).astype(jnp.float32)
@@ -1867,7 +1878,7 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=sums,
                   train_names=names + list(dict.fromkeys(norms)), eval_sums=eval_sums,
                   weighted_loss=isinstance(metrics.get("loss"), Weighted),
-                  accum_check=gap and functools.partial(_check_accum, gap, config))
+                  accum_check=functools.partial(_check_accum, gap, config) if gap else None)
 
 
 def _per_device(fn, config, mesh, out_specs):
@@ -2750,11 +2761,13 @@ class _Dispatch:
             _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build it "
                                "with optax.inject_hyperparams(...), or pass lr_fn=.")
         check, frozen = None if self.compiled else self._compile_check(state), self.steps.frozen
-        if not self.compiled and self.steps.accum_check:  # (once a call, before the first update)
-            first = jax.tree.map(lambda a: a[0], batch) if shape[0] > 1 else batch
-            self.steps.accum_check(state, first, frozen)
-        self.compiled[shape] = self._analyse(train.lower(state, self.acc, batch, frozen).compile(),
-                                             shape)  # (a dict: the first shape comes first)
+        accum = not self.compiled and self.steps.accum_check  # (once a call: grad_accum's loss)
+        accum = accum and accum(state, jax.tree.map(lambda a: a[0], batch) if shape[0] > 1 else
+                                batch, frozen)  # (its compile beside the step's)
+        executable = train.lower(state, self.acc, batch, frozen).compile()
+        if accum:
+            accum()  # before the first update, which donates the state
+        self.compiled[shape] = self._analyse(executable, shape)  # (the first shape comes first)
         state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
         if check:
             check.join()
@@ -3580,27 +3593,41 @@ def _check_outputs(outputs, whole, rows):
                             f"matrix) cannot be split: compute that in loss_fn.")
 
 
-_COUPLED = 1e-2  # _check_accum's bound on the gradient's relative change (rounding: ~1e-6)
+_COUPLED = 1e-2  # _coupled's bound on the gradient's relative change (rounding: ~1e-7)
 
 
 def _check_accum(gap, config, state, batch, frozen=None):
-    """At the first step of grad_accum's default mode, once a call, before the first update (not
-    in the compiled step, which stays as it was): raises for a loss that couples the rows of a
-    batch, whose microbatches would each see only their own rows (`_accum_gap`). Costs a compile
-    and a run of two eval-mode gradients of the batch: the whole's and the microbatches'."""
-    gap, whole, parts = (float(v) for v in jax.device_get(gap(_joined(state, frozen), batch)))
+    """At the first step of grad_accum's default mode, once a call (not in the compiled step, which
+    stays as it was): whether the loss couples the rows of a batch, whose microbatches would each
+    see only their own rows (`_accum_gap`). Traced here; compiled in a thread, beside the first
+    step's compile; the returned function runs it and raises, before the first update. Costs that
+    compile, and a run of two eval-mode gradients of a microbatch's worth of rows."""
+    args, compiled = (_joined(state, frozen), batch), []
+    lowered = gap.lower(*args)
+    thread = threading.Thread(target=lambda: compiled.append(lowered.compile()))
+    thread.start()
+
+    def check():
+        thread.join()  # (a compile that failed there: again here, in the open)
+        values = jax.device_get((compiled[0] if compiled else gap)(*args))
+        _coupled(*(float(v) for v in values), config)
+    return check
+
+
+def _coupled(gap, whole, parts, config):
     if not gap > _COUPLED:  # (NaN, a zero gradient: nothing to tell)
         return
     name, k = config.loss_name, config.grad_accum
     fix = ("grad_accum_mode='outputs' (loss_fn taken once, on the whole batch's outputs)" if
            name == "loss_fn" else "loss_fn(outputs, targets) with grad_accum_mode='outputs'")
     raise ValueError(f"fit: with grad_accum={k} each microbatch's loss sees only its own rows, "
-                     f"and on the first batch (the model in eval mode) their gradient differs "
-                     f"from the whole batch's by {gap:.1%} of its norm (their loss {parts:.4g}, "
-                     f"the whole batch's {whole:.4g}): {name} couples the rows of a batch (a "
-                     f"contrastive loss, a mean over the batch's tokens), and the update would "
-                     f"be a smaller batch's. Use {fix}; for a mean over tokens, Weighted(total, "
-                     f"count); or a bigger batch per device with grad_accum=1.")
+                     f"but {name} couples the rows of a batch (a contrastive loss, a mean over "
+                     f"the batch's tokens): the update would be a smaller batch's. On the first "
+                     f"batch's first and last rows, a microbatch's worth (the model in eval "
+                     f"mode), their gradient as two microbatches is {gap:.1%} of its norm away "
+                     f"from their gradient as one (losses {parts:.4g} and {whole:.4g}). Use "
+                     f"{fix}; for a mean over tokens, Weighted(total, count); or a bigger batch "
+                     f"per device with grad_accum=1.")
 
 
 # -- The run's claim and lock ----------------------------------------------------------------------
