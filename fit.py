@@ -278,8 +278,16 @@ class Options:
         multiples of k, where logs, evals, saves and stops then fall; other batches run singly.
     grad_accum=1: k microbatches per train batch, in a rolled scan inside the step: the losses'
         totals' gradients and their weights are summed, then divided once, so an update is the
-        whole batch's, also for a `Weighted` loss over padded tokens (`optax.MultiSteps`, a mean
-        of means, is not). BatchNorm sees each microbatch; see docs/reference.md.
+        whole batch's for a loss that sums over rows: a mean, a `Weighted` loss over padded
+        tokens (`optax.MultiSteps`, a mean of means, is not). A loss that couples the rows
+        (contrastive) raises at the first step: see `grad_accum_mode`. BatchNorm sees each
+        microbatch; see docs/reference.md.
+    grad_accum_mode="losses": how microbatches add up. "losses": each microbatch's loss, as
+        above. "outputs": the microbatches' outputs gathered, `loss_fn` taken once over the whole
+        batch's and its gradient sent back through each microbatch's forward (GradCache, as
+        OpenCLIP's --accum-freq): exact for any loss of the outputs (InfoNCE's in-batch
+        negatives), for one more forward per microbatch and all outputs held at once (small for
+        embeddings; a language model's logits: use "losses"). `loss_fn` only (`_gathered_forward`).
     hooks=(): functions `hook(event, run)`, called after the built-in ones (see `_Run`).
     verbose=1: 0: warnings only; 1: a bar and epoch lines; 2: the lines (1 too if TQDM_DISABLE=1).
     peak_tflops: a device's peak TFLOP/s, for `perf/mfu` on a chip not in `_PEAK_TFLOPS`.
@@ -326,6 +334,7 @@ class Options:
     lr_fn: Callable[[Any], Any] | None = dataclasses.field(default=None, metadata=_TRACED)
     steps_per_jit: int = 1
     grad_accum: int = dataclasses.field(default=1, metadata=_TRACED)
+    grad_accum_mode: str = dataclasses.field(default="losses", metadata=_TRACED)
     hooks: Sequence[Callable[[str, Any], Any]] = ()
     verbose: int = 1
     peak_tflops: float | None = None
@@ -352,6 +361,8 @@ class Options:
             v, bool) and v >= 0, "an integer >= 0 (it fills state.rng and orders the data)"),
         "verbose": (ValueError, lambda v: v in (0, 1, 2), "0, 1 or 2"),
         "on_nonfinite": (ValueError, lambda v: v in ("raise", "skip"), "'raise' or 'skip'"),
+        "grad_accum_mode": (ValueError, lambda v: v in ("losses", "outputs"),
+                            "'losses' or 'outputs'"),
         **dict.fromkeys(("ckpt_interval", "peak_tflops"), (ValueError, lambda v: isinstance(
             v, (int, float)) and not isinstance(v, bool) and v > 0, "a positive number")),
         "hooks": (TypeError, lambda v: isinstance(v, (list, tuple)) and all(map(callable, v)),
@@ -408,6 +419,12 @@ class Options:
         if self.grad_accum > 1 and self.train_step is not None:
             raise ValueError(f"fit: grad_accum={self.grad_accum} splits fit's own train step; "
                              f"your train_step accumulates on its own (drop grad_accum).")
+        if self.grad_accum_mode == "outputs" and (self.train_step or self.nnx_loss_fn):
+            name = "train_step" if self.train_step else "nnx_loss_fn"
+            raise ValueError(f"fit: grad_accum_mode='outputs' gathers the model's outputs where "
+                             f"fit calls the model, for loss_fn(outputs, targets); your {name} "
+                             f"calls it itself. Pass loss_fn= (an nnx model: called as "
+                             f"model(inputs)), or drop grad_accum_mode.")
 
     def __repr__(self):  # (a jitted step's error prints it: not the user's optimizer or model)
         return "<fit options>"
@@ -1455,8 +1472,13 @@ def _prefetch(batches, put, size=2):
 
 def _default_train_step(config):
     """fit's own train step: the step's key (each device its own with `axis_name`, where the step
-    runs per device under shard_map), `_gradient_step`, and the gradients' norm at log steps."""
+    runs per device under shard_map), `_gradient_step`, and the gradients' norm at log steps.
+    With `grad_accum`, the gradients by microbatches (`_accumulate`), or the whole batch's through
+    a forward by microbatches (grad_accum_mode="outputs": `_gathered_forward`)."""
     grads_of = _accumulate if config.grad_accum > 1 else _value_and_grad
+    if config.grad_accum > 1 and config.grad_accum_mode == "outputs":  # the loss taken once
+        grads_of, config = _value_and_grad, dataclasses.replace(config, forward=_gathered_forward(
+            config))
 
     def train_step(state, batch):
         rng = _step_key(state, config.seed)
@@ -1550,6 +1572,81 @@ def _accumulate(loss_of, params, stats, batch, rng, *, config):
     back = lambda shape, pair: Weighted(*pair) if is_weighted(shape) else pair[0] / pair[1]
     return grads, back(shapes[0], loss), {n: back(shapes[1][n], metrics[n]) for n in metrics}, \
         stats
+
+
+def _gathered_forward(config):
+    """`config.forward` for grad_accum_mode="outputs" (GradCache; OpenCLIP's --accum-freq):
+    `loss_fn` once, on the whole batch's outputs, so that a loss that couples the rows (InfoNCE:
+    each row's negatives are the others) is the whole batch's. 1. Each microbatch's forward (the
+    j-th slice of each device's rows, key `fold_in(key, j)`, BatchNorm's stats carried, as in
+    `_accumulate`), in a rolled scan under `jax.checkpoint`, so that jax.grad keeps only its
+    inputs. 2. Their outputs joined in the batch's row order (a leaf without rows, a logit
+    scale: their mean, exact for a leaf of the parameters or a mean over rows). 3. `loss_fn`
+    on them. jax.grad's backward (`_gradient_step`) then takes the loss's gradient with respect
+    to the outputs once and runs each microbatch's forward again, with the same key (dropout
+    masks), under jax.vjp with its slice of that gradient, summing the parameters' gradients.
+    With `axis_name` each device joins its own rows, as its whole batch's loss sees them there
+    (a loss that all_gathers over the axis sees them all). Costs one more forward per
+    microbatch, and every microbatch's outputs at once."""
+    forward = config.forward
+
+    def gathered(loss_fn, state, params, batch, rng, *, train):
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        d = config.shards if rows % config.shards == 0 else 1  # (as _accumulate's microbatches)
+        k = max(j for j in range(1, config.grad_accum + 1) if rows % (d * j) == 0)
+        split = lambda a: jnp.swapaxes(a.reshape(d, k, rows // (d * k), *a.shape[1:]), 0, 1)
+        has_stats = hasattr(state, "batch_stats")
+
+        @jax.checkpoint  # (kept for the backward: the inputs; the activations are recomputed)
+        def outputs_of(params, stats, part, j):  # -> (outputs, stats) of microbatch j
+            part = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part)
+            key = rng if k == 1 else jax.random.fold_in(rng, j)
+            here = state.replace(batch_stats=stats) if has_stats else state
+            return forward(_itself, here, params, part, key, train=True)
+
+        def micro(stats, xs):
+            outputs, stats = outputs_of(params, stats, *xs)
+            return stats, outputs
+        stats, outputs = jax.lax.scan(micro, getattr(state, "batch_stats", {}), (
+            jax.tree.map(split, batch), jnp.arange(k)))
+        whole = jax.eval_shape(lambda: forward(_itself, state, params, batch, rng, train=True)[0])
+        _check_outputs(outputs, whole, rows // k)
+        join = lambda a, w: a.mean(0).astype(a.dtype) if a.shape[1:] == w.shape else \
+            jnp.swapaxes(a.reshape(k, d, -1, *a.shape[2:]), 0, 1).reshape(w.shape)
+        return loss_fn(jax.tree.map(join, outputs, whole), batch[1]), stats
+    return gathered
+
+
+def _accum_gap(config, replicated, state, batch):
+    """grad_accum's default mode, checked (traced; run once, at the first step, apart from the
+    train step: `_check_accum`) on a microbatch's worth of `batch`'s rows, so in a microbatch's
+    memory: the first and the last half-microbatch of the first device's rows (with `axis_name`,
+    each device's own), placed whole on every device (`replicated`), taken together and as two
+    microbatches (`_value_and_grad` against `_accumulate`), the model in eval mode (so that
+    BatchNorm and Dropout do not count). Returns `(|difference| / |together| of the gradients,
+    the loss together, the loss as microbatches)`: rounding for a loss that sums over rows, large
+    for one that couples them (a batch's first rows and last differ: a token mean's counts)."""
+    def loss_of(params, stats, batch, rng):
+        out, _ = config.forward(config.loss_fn, state, params, batch, rng, train=False)
+        loss = _split_loss(out, config.loss_name)[0]
+        return loss.total if isinstance(loss, Weighted) else loss, (loss, {}, stats)
+
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    d = config.shards if rows % config.shards == 0 else 1  # (as _accumulate's microbatches)
+    h = max(rows // (d * config.grad_accum) // 2, 1)
+
+    def ends(a):  # (whole on each device: the check splits no rows over them)
+        a = jnp.concatenate([a[:h], a[rows // d - h:rows // d]])
+        return a if replicated is None else jax.lax.with_sharding_constraint(a, replicated)
+    two = dataclasses.replace(config, shards=1, options=tuple(
+        (n, 2 if n == "grad_accum" else v) for n, v in config.options))
+    args = (state.params, getattr(state, "batch_stats", {}), jax.tree.map(ends, batch),
+            _step_key(state, config.seed))
+    (whole, loss, *_), (parts, acc, *_) = (f(loss_of, *args, config=c) for f, c in (
+        (_value_and_grad, config), (_accumulate, two)))
+    mean = lambda loss: loss.total / loss.weight if isinstance(loss, Weighted) else loss
+    gap = optax.tree.norm(jax.tree.map(jnp.subtract, whole, parts)) / optax.tree.norm(whole)
+    return jnp.stack([gap, mean(loss), mean(acc)]).astype(jnp.float32)
 
 
 def _step_key(state, seed):
@@ -1774,7 +1871,8 @@ def _platform(mesh):
 
 
 _Steps = collections.namedtuple("_Steps", "train train_k evals param_norm acc0 eval0 put frozen "
-                                          "train_sums train_names eval_sums weighted_loss")
+                                          "train_sums train_names eval_sums weighted_loss "
+                                          "accum_check")
 _Steps.__new__.__defaults__ = (None,) * len(_Steps._fields)  # (built by name, each None at first)
 
 
@@ -1843,10 +1941,7 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     step_fn = user_step or _default_train_step(config)
     if user_step and _takes_three(user_step):  # train_step(state, batch, rng)
         step_fn = lambda state, batch: user_step(state, batch, _step_key(state, seed))
-    if config.axis_name:  # the step runs per device; the default step averages over the devices
-        step_fn = jax.shard_map(step_fn, mesh=mesh, in_specs=(P(), P(config.axis_name)),
-                                out_specs=(P(), P()), check_vma=False)
-    step_fn = jax.jit(_under(mesh, step_fn))
+    step_fn = jax.jit(_under(mesh, _per_device(step_fn, config, mesh, (P(), P()))))
     own = user_step or config.loss_name == "nnx_loss_fn"  # (else fit calls the model)
     step_fn = functools.partial(_step_values, step_fn)
     metrics = _trace(step_fn, _joined(state, frozen), train_data.spec, config,
@@ -1870,9 +1965,23 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     eval_fns, eval_sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)  # (after:
     # the train step's advice first)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
+    # grad_accum's default mode: whether the loss sums over rows, checked once at the first step.
+    gap = config.grad_accum > 1 and config.grad_accum_mode == "losses" and not user_step and \
+        jax.jit(_under(mesh, _per_device(functools.partial(_accum_gap, config, None if
+                config.axis_name else replicated), config, mesh, P())), out_shardings=replicated)
     return _Steps(train_1, train_k, eval_fns, param_norm, train_sums=sums,
                   train_names=names + list(dict.fromkeys(norms)), eval_sums=eval_sums,
-                  weighted_loss=isinstance(metrics.get("loss"), Weighted))
+                  weighted_loss=isinstance(metrics.get("loss"), Weighted),
+                  accum_check=functools.partial(_check_accum, gap, config) if gap else None)
+
+
+def _per_device(fn, config, mesh, out_specs):
+    """`fn(state, batch)` run per device under shard_map with `axis_name` (the batch split over
+    the axis, as pmap-era code expects: the default step averages over the devices), else `fn`."""
+    if not config.axis_name:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(config.axis_name)), out_specs=out_specs,
+                         check_vma=False)
 
 
 def _unrolled():
@@ -2849,8 +2958,13 @@ class _Dispatch:
             _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build it "
                                "with optax.inject_hyperparams(...), or pass lr_fn=.")
         check, frozen = None if self.compiled else self._compile_check(state), self.steps.frozen
-        self.compiled[shape] = self._analyse(train.lower(state, self.acc, batch, frozen).compile(),
-                                             shape)  # (a dict: the first shape comes first)
+        accum = not self.compiled and self.steps.accum_check  # (once a call: grad_accum's loss)
+        accum = accum and accum(state, jax.tree.map(lambda a: a[0], batch) if shape[0] > 1 else
+                                batch, frozen)  # (its compile beside the step's)
+        executable = train.lower(state, self.acc, batch, frozen).compile()
+        if accum:
+            accum()  # before the first update, which donates the state
+        self.compiled[shape] = self._analyse(executable, shape)  # (the first shape comes first)
         state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
         if check:
             check.join()
@@ -3421,6 +3535,8 @@ def _jsonable(tree):
 #   _adapt: _nnx_optimizer, _nnx_fits, _check_frozen
 #   _Loop: _check_first_eval
 #   _new_steps, _jit_eval, _train_and_accumulate: _trace, _metric_names, _per_example, _warn_dtypes
+#   _new_steps: _check_accum
+#   _gathered_forward: _check_outputs
 #   _Checkpoints: _claim_run, _quiet, _cause
 #   _meta, _restore, _restore_weights: _restoring, _unrestorable, _check_fits
 #   _restore_all: _check_base
@@ -3698,6 +3814,64 @@ def _check_first_eval(plan, eval_sums, metrics, verbose):
                           f"accuracy: the best is its maximum), but it is {metrics[tag]:.4g}, "
                           f"outside [0, 1]. If it is a loss, return {{'loss': x}} (the best is "
                           f"then its minimum); a percentage is fine as it is.", stacklevel=2)
+
+
+def _check_outputs(outputs, whole, rows):
+    """At trace time, grad_accum_mode="outputs": each leaf of the model's outputs has the rows as
+    its leading axis, or the same shape for any rows (a logit scale), so that `_gathered_forward`
+    can join the microbatches' (`outputs`, stacked) as the whole batch's (`whole`, its shapes)."""
+    for (path, a), w in zip(jax.tree_util.tree_leaves_with_path(outputs), jax.tree.leaves(whole)):
+        if a.shape[1:] != w.shape and (a.ndim < 2 or w.shape != (a.shape[0] * a.shape[1],
+                                                                 *a.shape[2:])):
+            raise TypeError(f"fit: grad_accum_mode='outputs' joins the model's outputs of "
+                            f"microbatches, but output {_path_name(path) or '(the whole)'} has "
+                            f"shape {a.shape[1:]} for a microbatch of {rows} rows and {w.shape} "
+                            f"for the batch: the rows must be its leading axis (or absent, as a "
+                            f"logit scale's). A model that couples the rows itself (a similarity "
+                            f"matrix) cannot be split: compute that in loss_fn.")
+
+
+_COUPLED = 1e-2  # _coupled's bound on the gradient's relative change (rounding: ~1e-7)
+_QUICK = {"xla_backend_optimization_level": 0, "xla_gpu_autotune_level": 0}  # (XLA's options)
+
+
+def _check_accum(gap, config, state, batch, frozen=None):
+    """At the first step of grad_accum's default mode, once a call (not in the compiled step, which
+    stays as it was): whether the loss couples the rows of a batch, whose microbatches would each
+    see only their own rows (`_accum_gap`). Traced here; compiled in a thread, beside the first
+    step's compile (at XLA's lowest optimisation: it runs once); the returned function runs it and
+    raises, before the first update. Costs that compile, and a run of two eval-mode gradients of
+    a microbatch's worth of rows."""
+    args, compiled = (_joined(state, frozen), batch), []
+    lowered = gap.lower(*args)
+
+    def compile():  # (~2.5x faster than at the default level, on a CPU)
+        with contextlib.suppress(Exception):
+            compiled.append(lowered.compile(_QUICK))
+    thread = threading.Thread(target=compile)
+    thread.start()
+
+    def check():
+        thread.join()  # (a compile that failed there: again here, in the open)
+        values = jax.device_get((compiled[0] if compiled else gap)(*args))
+        _coupled(*(float(v) for v in values), config)
+    return check
+
+
+def _coupled(gap, whole, parts, config):
+    if not gap > _COUPLED:  # (NaN, a zero gradient: nothing to tell)
+        return
+    name, k = config.loss_name, config.grad_accum
+    fix = ("grad_accum_mode='outputs' (loss_fn taken once, on the whole batch's outputs)" if
+           name == "loss_fn" else "loss_fn(outputs, targets) with grad_accum_mode='outputs'")
+    raise ValueError(f"fit: with grad_accum={k} each microbatch's loss sees only its own rows, "
+                     f"but {name} couples the rows of a batch (a contrastive loss, a mean over "
+                     f"the batch's tokens): the update would be a smaller batch's. On the first "
+                     f"batch's first and last rows, a microbatch's worth (the model in eval "
+                     f"mode), their gradient as two microbatches is {gap:.1%} of its norm away "
+                     f"from their gradient as one (losses {parts:.4g} and {whole:.4g}). Use "
+                     f"{fix}; for a mean over tokens, Weighted(total, count); or a bigger batch "
+                     f"per device with grad_accum=1.")
 
 
 # -- The run's claim and lock ----------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
     python tests/_child.py MODE WORKDIR OUT_JSON
 
-MODE is `kill` (the SIGKILL/resume run; `ema`, `accum`: the same with fit.ema, grad_accum=4),
+MODE is `kill` (the SIGKILL/resume run; `ema`, `accum`, `accum_outputs`: the same with fit.ema,
+grad_accum=4, grad_accum=4 with grad_accum_mode="outputs"),
 `sigterm` (a run the parent sends SIGTERM) or `flat`
 (a long run that records its memory and compilations each epoch). Every launch of a mode runs
 the same command with `resume=True`, so a relaunch after a kill picks the run up. The parent
@@ -89,10 +90,11 @@ def history_json(history):
     return {k: v for k, v in history.items()}
 
 
-def kill_mode(workdir, out, ema=False, grad_accum=1):
+def kill_mode(workdir, out, ema=False, **accum):
     # 20 batches of 32 per epoch, 4 epochs; a checkpoint every 3 steps and at each epoch end, an
     # eval each epoch, train logs every 2 steps. Array data: fit shuffles per (seed, epoch).
-    # `ema`: the optimizer wrapped in fit.ema, evaluated beside the raw weights; `grad_accum`.
+    # `ema`: the optimizer wrapped in fit.ema, evaluated beside the raw weights; `accum`: the
+    # grad_accum options.
     x, y, xt, yt = make_data(640, 128)
     state = make_state(hidden=512)
     if ema:
@@ -102,8 +104,7 @@ def kill_mode(workdir, out, ema=False, grad_accum=1):
     state, history = fit(state, (x, y), (xt, yt), loss_fn=loss_fn, eval_step=eval_step,
                          batch_size=32, num_epochs=4, ckpt_every=3, log_every=2, resume=True,
                          workdir=workdir, log_name="kill", hparams={"hidden": 512},
-                         grad_accum=grad_accum,
-                         hooks=[progress_hook])
+                         hooks=[progress_hook], **accum)
     np.save(os.path.join(os.path.dirname(out), "final.npy"), all_leaves(state))
     with open(out, "w") as f:
         json.dump({"history": history_json(history), "log_dir": history.log_dir,
@@ -207,4 +208,5 @@ if __name__ == "__main__":
     mode, workdir, out = sys.argv[1:4]
     {"kill": kill_mode, "ema": lambda w, o: kill_mode(w, o, ema=True),
      "accum": lambda w, o: kill_mode(w, o, grad_accum=4), "sigterm": sigterm_mode,
+     "accum_outputs": lambda w, o: kill_mode(w, o, grad_accum=4, grad_accum_mode="outputs"),
      "flat": flat_mode}[mode](workdir, out)
