@@ -259,8 +259,9 @@ class Options:
     hparams: a dict for TensorBoard's HParams tab, beside the plain options and derived values.
     seed=0: fills `state.rng` if None, shuffles arrays from `(seed, epoch)`; checked on resume.
     lr_fn: `lr_fn(step) -> learning rate`, to log the rate without `optax.inject_hyperparams`.
-    steps_per_jit=1: k steps per compiled call, over groups of k batches of one shape starting at
-        multiples of k, where logs, evals, saves and stops then fall; other batches run singly.
+    steps_per_jit="auto": k steps per compiled call, over groups of k batches of one shape starting
+        at multiples of k, where logs, evals, saves and stops then fall; other batches run singly.
+        "auto": 1, unless fit measures that its steps wait for the host (`_steps_per_call`).
     grad_accum=1: k microbatches per train batch, in a rolled scan inside the step: the losses'
         totals' gradients and their weights are summed, then divided once, so an update is the
         whole batch's, also for a `Weighted` loss over padded tokens (`optax.MultiSteps`, a mean
@@ -307,7 +308,7 @@ class Options:
     hparams: dict | None = None
     seed: int = dataclasses.field(default=0, metadata=_TRACED)
     lr_fn: Callable[[Any], Any] | None = dataclasses.field(default=None, metadata=_TRACED)
-    steps_per_jit: int = 1
+    steps_per_jit: int | str = "auto"
     grad_accum: int = dataclasses.field(default=1, metadata=_TRACED)
     hooks: Sequence[Callable[[str, Any], Any]] = ()
     verbose: int = 1
@@ -322,9 +323,11 @@ class Options:
 
     # option: (error, is a value valid?, what it must be); None passes if it is the default
     _RULES = {
-        **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit",
-                         "grad_accum", "ckpt_every", "max_steps", "steps_per_epoch", "eval_every",
-                         "batch_size"), (ValueError, _positive_int, "a positive integer")),
+        **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "grad_accum",
+                         "ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "batch_size"),
+                        (ValueError, _positive_int, "a positive integer")),
+        "steps_per_jit": (ValueError, lambda v: v == "auto" or _positive_int(v),
+                          "'auto' or a positive integer"),
         "eval_steps": (ValueError, lambda v: _positive_int(v) or isinstance(v, dict) and all(
             map(_positive_int, v.values())), "a positive integer, or a dict {eval set: one}"),
         **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn", "nnx_loss_fn"),
@@ -470,15 +473,14 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
             ckpts.open()
             run.call("train_start", state, step, epoch)
             clock = run.clock = _Clock(steps, opts, step)  # time and speed: it starts now
-            dispatch = _Dispatch(steps, clock, opts, step)  # the compiled steps' calls
+            dispatch = _Dispatch(steps, clock, opts, step, run.total_steps)  # the steps' calls
             loop = _Loop(run, _Readings(dispatch, opts, progress.meter, step), ckpts, signals,
                          plan=plan, eval_data=eval_data, verbose=verbose,
                          python=_python_metrics(opts.eval_metrics, model.view))
             due = step  # the step from which the loop checks what is due (here: the first)
             while not (run.stopping or plan.done(epoch, step)):
-                batches = _grouped(train_data.epoch(epoch, *position), opts.steps_per_jit, step,
-                                   opts.max_steps, dispatch.said)
-                for batch, position, k, last in _prefetch(batches, steps.put):
+                calls = train_data.calls(epoch, position, step, dispatch)
+                for batch, position, k, last in _prefetch(calls, steps.put):
                     state = dispatch(state, batch, k, epoch=epoch, position=position)
                     step += k
                     stop = signals.reason or ckpts.count_call()  # (several processes: each call)
@@ -1159,21 +1161,35 @@ class _Data:
                              f"number of examples, got {n} inputs and {len(self.y)} targets.")
         self.length = min(math.ceil(n / batch_size), self.cap or math.inf)
         self.sizes = [min(batch_size, n - i * batch_size) for i in range(self.length)]
-        self.rows, self.global_batch = (lambda idx: (x[idx], y[idx])), batch_size
+        self.global_batch = batch_size
+        # Rows `idx` of x and y, one gather each: `idx` a batch's rows, or k batches' (k, rows).
+        self.rows = lambda idx: (x[idx], y[idx]) if idx.ndim == 1 else tuple(
+            a[idx.ravel()].reshape(*idx.shape, *a.shape[1:]) for a in (x, y))
         if isinstance(x, jax.Array) or isinstance(y, jax.Array):
             self.rows = self._device_rows
-        return self._convert(tuple(self._batch(np.arange(n), 0)), 0)
+        return self._convert(tuple(next(self._array_calls(0, 0))[0]), 0)
 
-    def _batch(self, order, i):
-        """Batch `i` of arrays in `order` (rows sorted: a memory-mapped file is read in order):
-        this process's share of the global batch, or all of it (`_Whole`) if it does not split
-        evenly over the processes."""
-        rows = np.sort(order[i * self.global_batch:(i + 1) * self.global_batch])
-        p, processes = self.share
-        if processes > 1 and len(rows) % processes:
-            return _Whole(self.rows(rows))
-        share = len(rows) // processes
-        return self.rows(rows[p * share:(p + 1) * share])
+    def _array_calls(self, epoch, skip, step=0, group=None):
+        """Arrays' calls from batch `skip` on (see `calls`): a batch's rows, or k batches' at once
+        (a group's), sorted within each batch (a memory-mapped file is read in order); the last
+        batch, if smaller and not split evenly over the processes, whole (`_Whole`)."""
+        order = np.arange(len(self.x))
+        if self.train_set:  # (the train set is shuffled each epoch: the same on every process)
+            order = np.random.default_rng([self.seed, epoch]).permutation(order)
+        (p, processes), n = self.share, self.global_batch
+        full = min(len(order) // n, self.length)  # (full batches: one sort of all, an epoch)
+        rows = np.sort(order[:full * n].reshape(full, n), axis=1)
+        rows = np.ascontiguousarray(rows[:, p * n // processes:(p + 1) * n // processes])
+        while skip < full:
+            k = group.steps_at(step) if group else 1
+            k = k if skip + k <= full else 1
+            yield self.rows(rows[skip] if k == 1 else rows[skip:skip + k]), (skip + k, None), k
+            skip, step = skip + k, step + k
+        if skip < self.length:  # the smaller last batch
+            last = np.sort(order[full * n:])
+            share = len(last) // processes
+            yield (_Whole(self.rows(last)) if len(last) % processes else
+                   self.rows(last[p * share:(p + 1) * share])), (skip + 1, None), 1
 
     def _device_rows(self, idx):
         """Rows `idx` of x and y where each is: device arrays' in one call, numpy's on the host."""
@@ -1262,14 +1278,17 @@ class _Data:
                              f"sizes and lengths (each new shape compiles once), not in their "
                              f"structure, dtypes or number of dimensions.")
 
+    def calls(self, epoch, position=(0, None), step=0, group=None):
+        """One epoch's calls `(batch, position, k)` from `position` on (batches trained before a
+        resume, a loader's state): k batches of one shape stacked where `group.steps_at(step)`
+        says k (steps_per_jit; arrays: gathered at once), every other batch alone; `position` is
+        where a checkpoint after the call resumes."""
+        if self.arrays:
+            return self._array_calls(epoch, position[0], step, group)
+        return _grouped(self.epoch(epoch, *position), step, group)
+
     def epoch(self, epoch, skip=0, data_state=None):
-        """One epoch's `(batch, position)`, skipping `skip` batches (trained before a resume)."""
-        if self.arrays:  # (the order of all the rows: the same on every process)
-            order = np.arange(len(self.x))
-            if self.train_set:  # (the train set is shuffled each epoch)
-                order = np.random.default_rng([self.seed, epoch]).permutation(order)
-            yield from ((self._batch(order, i), (i + 1, None)) for i in range(skip, self.length))
-            return
+        """One epoch's `(batch, position)` of an iterable, skipping `skip` batches."""
         if self.ready is not None:  # a list: nothing to check again
             for i in range(skip, min(len(self.ready), self.cap or math.inf)):
                 yield self.ready[i], (i + 1, None)
@@ -1332,33 +1351,27 @@ def _kinds(batch):
     return treedef, tuple((np.dtype(a.dtype), len(a.shape)) for a in leaves)
 
 
-def _grouped(batches, k, step, max_steps=None, said=None):
-    """Yields `(batch, position, steps)`: runs of `k` equally shaped batches stacked (steps_per_jit)
-    from multiples of k in absolute steps, so a resume groups alike; other batches run singly."""
-    if k == 1:  # (the common case, at the least cost a batch)
-        yield from ((batch, position, 1) for batch, position in batches)
-        return
-    group, said = [], set() if said is None else said  # (said: warnings given in this call)
+def _grouped(batches, step, group=None):
+    """An iterable's calls `(batch, position, k)` (see `_Data.calls`): a run of k batches is stacked
+    if they have one shape; else (`group.broken`) they run alone."""
+    run, k = [], 1  # (run: the batches of a group so far, of the k it takes)
     for batch, position in batches:
-        if group and not _same_shapes(batch, group[0][0]):  # another shape ends the group:
-            yield from ((b, p, 1) for b, p in group)  # its batches run as single steps
-            if "groups" not in said:
-                warnings.warn(f"fit: steps_per_jit={k} stacks runs of {k} batches of one shape, "
-                              f"but the shapes changed within one at step {step + len(group)}, "
-                              f"whose batches run singly; order the data in runs of {k}.")
-                said.add("groups")
-            step, group = step + len(group), []
-        starts = step % k == 0 and not (max_steps and step + k > max_steps)
-        if k == 1 or not (group or starts):
+        if run and not _same_shapes(batch, run[0][0]):  # another shape ends the run:
+            group.broken(step + len(run))
+            yield from ((b, p, 1) for b, p in run)  # its batches run alone
+            step, run = step + len(run), []
+        if not run:
+            k = group.steps_at(step) if group else 1
+        if k == 1:
             yield batch, position, 1
             step += 1
             continue
-        group.append((batch, position))
-        if len(group) == k:
+        run.append((batch, position))
+        if len(run) == k:
             stack = lambda *a: (jnp.stack if isinstance(a[0], jax.Array) else np.stack)(a)
-            yield jax.tree.map(stack, *[b for b, _ in group]), position, k
-            step, group = step + k, []
-    yield from ((b, p, 1) for b, p in group)
+            yield jax.tree.map(stack, *[b for b, _ in run]), position, k
+            step, run = step + k, []
+    yield from ((b, p, 1) for b, p in run)
 
 
 def _same_shapes(a, b):
@@ -1770,10 +1783,12 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     one = functools.partial(_train_and_accumulate, _StepParts(step_fn, sums, lr_of, config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
-    # k steps per call: a scan over a stacked group of k batches (the frozen base outside it).
-    train_k = jax.jit(lambda state, acc, batches, frozen=None: jax.lax.scan(
-        lambda carry, b: (one(*carry, b, frozen), None), (state, acc), batches,
-        unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
+    # k steps per call: a scan over a stacked group of k batches (the frozen base outside it),
+    # unrolled or not (`_unrolled`, asked once a run: built once for each answer).
+    train_k = functools.cache(lambda unroll: jax.jit(
+        lambda state, acc, batches, frozen=None: jax.lax.scan(
+            lambda carry, b: (one(*carry, b, frozen), None), (state, acc), batches,
+            unroll=unroll)[0], donate_argnums=0, out_shardings=placement))
     eval_fns, eval_sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)  # (after:
     # the train step's advice first)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
@@ -1782,10 +1797,12 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
                   weighted_loss=isinstance(metrics.get("loss"), Weighted))
 
 
-def _unrolled():
-    """Whether steps_per_jit's scan is unrolled: XLA's CPU backend runs a rolled scan of
-    convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster."""
-    return jax.default_backend() == "cpu"
+def _unrolled(lowered):
+    """Whether k-step calls unroll their scan, from the single step's `lowered` program: on a CPU
+    where it has convolutions. XLA's CPU backend ran a rolled scan of convolution steps ~10x
+    slower than single steps and an unrolled one ~1.2x faster; without them a rolled scan of 10
+    ran 3x faster than an unrolled one (benchmarks/README.md, #49) and compiles as one step."""
+    return jax.default_backend() == "cpu" and "stablehlo.convolution" in lowered.as_text()
 
 
 def _under(mesh, fn):
@@ -2597,72 +2614,142 @@ def _hook_states(saved, hooks, names):
 _MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warns
 
 
-_AHEAD = 2  # calls the host may dispatch before the device has finished them
+_AHEAD = 2  # calls between the host's waits for the device, once a call _AHEAD before
 
 
 _LAG = 1  # calls after a log point that its sums are read (the read waits for them if need be)
 
 
+_WINDOW = 0.2  # seconds of steady steps that steps_per_jit="auto" times, singly and grouped
+
+
+def _steps_per_call(per_step, waited, compile_s, left, periods, unroll=False):
+    """steps_per_jit="auto"'s k to try, from single steps of `per_step` seconds, a share `waited`
+    of it for the device: 1 where the device is the bottleneck (the host waited over 10% of the
+    time), where k steps would compile unrolled (`_unrolled`: ~k times a step's compile), or
+    where the `left` steps (None: unknown) would run for less than twice the `compile_s` so far;
+    else the largest k up to 16 that divides the log, eval and save `periods` (each stays exact).
+    A call of k steps does the host's work of one (data, dispatch, bookkeeping)."""
+    if waited > 0.1 or unroll or left is not None and left * per_step < 2 * compile_s:
+        return 1
+    return max(k for k in range(1, 17) if all(p % k == 0 for p in periods))
+
+
 class _Dispatch:
     """The compiled steps' calls: dispatches step n (or k steps) and keeps their on-device sums
     (`take`); only a new batch shape waits, to compile and to time it, and XLA's estimates of it
-    (FLOPs for `_Clock`, the memory, said before its first step)."""
+    (FLOPs for `_Clock`, the memory, said before its first step). `steps_at` says how many steps
+    a call takes (steps_per_jit; "auto": `tune`'s choice)."""
 
-    def __init__(self, steps, clock, opts, step):
+    def __init__(self, steps, clock, opts, step, total=None):
         self.steps, self.clock, self.acc, self.calls = steps, clock, steps.acc0, 0
-        self.compiled, self.inflight = {}, collections.deque()  # {shape: (rows, FLOPs)}
+        self.compiled, self.marker, self.waited = {}, None, 0.0  # {shape: (rows, FLOPs)}
         # The batch shapes fed since the last log point, where they changed (agree_shapes).
-        self.shape, self.changes, self.fed, self.said = None, [], step, set()
+        self.shape, self.changes, self.fed, self.said = None, [], step, False
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
+        self.auto = opts.steps_per_jit == "auto" and jax.process_count() == 1  # (see tune)
+        self.k = 1 if opts.steps_per_jit == "auto" else opts.steps_per_jit
+        self.stop, self.total, self.unroll, self.train_k = opts.max_steps, total, None, None
+        self.periods = [p for p in (opts.log_every, opts.eval_every, opts.ckpt_every) if p]
+        self.mark = self.single = None  # (tune's: where its window began; a step's time alone)
+
+    def steps_at(self, step):
+        """The steps of a call that starts at `step`: k at multiples of k (so a resume groups
+        alike), not past max_steps, else 1."""
+        k = self.k
+        return k if k > 1 and step % k == 0 and not (self.stop and step + k > self.stop) else 1
+
+    def broken(self, step):
+        """A run of k batches whose shapes change at `step`: its batches run alone (said once)."""
+        if not (self.said or self.auto):
+            warnings.warn(f"fit: steps_per_jit={self.k} stacks runs of {self.k} batches of one "
+                          f"shape, but the shapes changed within one at step {step}, whose "
+                          f"batches run singly; order the data in runs of {self.k}.")
+            self.said = True
 
     def __call__(self, state, batch, k, *, epoch=0, position=(0, None)):
-        """Step n (or k steps) on `batch`; a new shape that fails is named, with where it is."""
+        """Step n (or k steps) on `batch`; a new shape compiles first (`_compile`)."""
         self.clock.fetched()
         shape = (k, *(a.shape for a in jax.tree.leaves(batch)))
         if shape != self.shape:  # (length buckets: a new shape)
             self.shape = shape
             self.changes.append((self.fed, shape))
         self.fed, self.calls = self.fed + k, self.calls + 1
-        train = self.steps.train if k == 1 else self.steps.train_k
         if cost := self.compiled.get(shape):  # (rows, FLOPs per device) of a call of this shape
+            train = self.steps.train if k == 1 else self.train_k
             state, self.acc = train(state, self.acc, batch, self.steps.frozen)
             self.clock.ran(k, *cost)
         else:  # one wait per new shape, so compile time is kept out of the rate
-            try:
-                with self.clock.timed("compile", k):
-                    state = self._compile(train, state, batch, shape)
-            except Exception as e:
-                if not self.compiled:  # (the first batch: the trace's own checks explain it)
-                    raise
-                first = next(iter(self.compiled))
-                raise ValueError(f"fit: the train step failed on the batch of shapes {shape[1:]}"
-                                 f" (epoch {epoch + 1}, batch {position[0] - k}), which differ "
-                                 f"from the first batch's {first[1:]}: does the model take inputs "
-                                 f"of that shape? ({type(e).__name__}: "
-                                 f"{str(e).splitlines()[0][:300]})") from e
-        self.inflight.append(self.acc["count"])
-        if len(self.inflight) > _AHEAD:  # no queue of batches (and, measured, a faster host)
-            self.inflight.popleft().block_until_ready()
+            state = self._compile(state, batch, shape, (epoch, position))
+        if self.calls % _AHEAD == 0:  # no queue of batches (and, measured, a faster host)
+            t = time.perf_counter()
+            if self.marker is not None:  # the call _AHEAD before, usually long done
+                self.marker.block_until_ready()
+            self.waited, self.marker = self.waited + time.perf_counter() - t, self.acc["count"]
         self.clock.ready()
         return state
 
-    def _compile(self, train, state, batch, shape):
+    def _compile(self, state, batch, shape, where):
         """A new shape's call, compiled ahead to read XLA's estimates (the call reuses the
-        executable); the first shape's with the check before saves beside it (`_compile_check`)."""
+        executable); the first shape's with the check before saves beside it (`_compile_check`),
+        and whether k-step calls unroll (`_unrolled`). A failure on a later shape is named."""
+        k, frozen = shape[0], self.steps.frozen
         if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
             _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build it "
                                "with optax.inject_hyperparams(...), or pass lr_fn=.")
-        check, frozen = None if self.compiled else self._compile_check(state), self.steps.frozen
-        self.compiled[shape] = self._analyse(train.lower(state, self.acc, batch, frozen).compile(),
-                                             shape)  # (a dict: the first shape comes first)
-        state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
-        if check:
-            check.join()
+        try:
+            with self.clock.timed("compile", k):
+                check = None if self.compiled else self._compile_check(state)
+                if self.unroll is None:  # (the single step's program, as it is traced once)
+                    one = batch if k == 1 else jax.tree.map(
+                        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+                    self.unroll = _unrolled(self.steps.train.lower(state, self.acc, one, frozen))
+                    self.train_k = self.steps.train_k(self.unroll)
+                train = self.steps.train if k == 1 else self.train_k
+                self.compiled[shape] = self._analyse(train.lower(state, self.acc, batch,
+                                                                 frozen).compile(), shape)
+                state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
+                if check:
+                    check.join()
+        except Exception as e:
+            if not self.compiled or shape in self.compiled:  # (the first batch: the trace's
+                raise  # own checks explain it)
+            (epoch, position), first = where, next(iter(self.compiled))
+            raise ValueError(f"fit: the train step failed on the batch of shapes {shape[1:]}"
+                             f" (epoch {epoch + 1}, batch {position[0] - k}), which differ "
+                             f"from the first batch's {first[1:]}: does the model take inputs "
+                             f"of that shape? ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:300]})") from e
         if len(self.compiled) == _MANY_SHAPES:
             warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, and "
                           f"each new shape compiles the step again; pad them to a few lengths "
                           f"(buckets) instead.")
         return state
+
+    def tune(self, step):
+        """steps_per_jit="auto", at log points: the steady time a step over whole log intervals
+        (at least _WINDOW s) of single steps, then, where `_steps_per_call` says k > 1, of k-step
+        calls (their compile left out); the faster stays. Said once; in `timing`."""
+        if not (self.auto and self.compiled):
+            return
+        jax.block_until_ready(self.acc)  # (the interval's steps have run: its time is theirs)
+        now = (step, self.clock.steady_seconds(), self.waited)
+        if self.mark is None or now[1] - self.mark[1] < _WINDOW:
+            self.mark = self.mark or now
+            return
+        steps, seconds, waited = (b - a for a, b in zip(self.mark, now))
+        self.mark, timed = now, self.clock.chosen["steps_per_jit_us"]
+        timed[self.k] = round(1e6 * seconds / steps, 2)  # (us a step, by steps a call)
+        if self.k == 1:  # single steps timed: try k a call?
+            self.k = _steps_per_call(seconds / steps, waited / seconds, self.clock.spent[
+                "compile"][0], self.total and self.total - step, self.periods, self.unroll)
+            if self.k > 1:
+                return
+        elif timed[self.k] * 1.1 > timed[1]:  # (not 10% faster: single steps again)
+            self.k = 1
+        self.auto, self.clock.chosen["steps_per_jit"] = False, self.k
+        _say(self.verbose, f"fit: steps_per_jit='auto': {self.k} step(s) a call from step {step} "
+                           f"(measured, us a step by steps a call: {timed}).")
 
     def _compile_check(self, state):
         """The check before saves (`param_norm`), compiling in a thread beside the first step's
@@ -2680,12 +2767,12 @@ class _Dispatch:
     def _analyse(self, compiled, shape):
         """A call's rows (all processes') and FLOPs per device, from XLA's cost analysis of its
         executable, which counts a rolled loop's body once (grad_accum's scan; steps_per_jit's
-        off the CPU); the first shape's memory estimate is said before its step runs."""
+        unless unrolled); the first shape's memory estimate is said before its step runs."""
         k = shape[0]
         rows = shape[1][k > 1] * k
         cost = compiled.cost_analysis()
         cost = (cost[0] if isinstance(cost, list) else cost) or {}
-        flops = cost.get("flops", 0.0) * (1 if k == 1 or _unrolled() else k) * self.grad_accum
+        flops = cost.get("flops", 0.0) * (1 if k == 1 or self.unroll else k) * self.grad_accum
         memory, estimate = compiled.memory_analysis(), self.clock.estimate
         if memory is not None:
             new = {f"step_{part}_bytes": getattr(memory, f"{part}_size_in_bytes")
@@ -2833,6 +2920,9 @@ class _Clock:
         self.estimate = dict.fromkeys(("step_argument_bytes", "step_output_bytes",
                                        "step_temp_bytes"))
         self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
+        # steps_per_jit's k (`_Dispatch.tune`: "auto"'s choice, and the us a step it measured)
+        self.chosen = {"steps_per_jit": 1 if opts.steps_per_jit == "auto" else opts.steps_per_jit,
+                       "steps_per_jit_us": {}}
 
     def fetched(self):  # (a batch fetched: the host's wait for data, since the last call)
         self.spent["data"][0] += time.perf_counter() - self.t_ready
@@ -2916,7 +3006,7 @@ class _Clock:
                 **{f"{k}_count": n for k, (_, n) in parts.items() if k != "data"},
                 "close_s": now - (self.t_end or now), "steps": step - self.first_step,
                 "steady_steps_per_s": rate, "wall_s": now - self.t0, **self.speed(rate),
-                **self.estimate}
+                **self.estimate, **self.chosen}
 
 
 class _Loop:
@@ -2931,6 +3021,8 @@ class _Loop:
         """A `log` event for each log point whose sums `_Readings.read` returns; at the loop's own
         log points (not `sync`), first the poll."""
         logged = self.readings.read(step, due, sync)
+        if due and not sync:  # (steps_per_jit="auto" times whole log intervals)
+            self.readings.dispatch.tune(step)
         save, stop = self.poll() if logged and not sync else (False, None)
         for at, metrics in logged:
             self.run.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
@@ -3017,7 +3109,7 @@ def _eval_set(steps, test, state, name=None, *, clock=None, python=None):
     with clock.timed("eval") if clock else contextlib.nullcontext():
         acc, step, sums = steps.eval0[name], steps.evals[name], steps.eval_sums[name]
         host, last = {}, {}
-        for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), steps.put):
+        for batch, *_ in _prefetch(test.calls(0), steps.put):
             acc, out = step(state, acc, batch, steps.frozen)
             host, last = _merged(host, last), out  # (the batch before this one's)
         values = sums.read(jax.device_get(acc), _merged(host, last), f"the eval set {test.name}")
