@@ -34,10 +34,10 @@ sets, each logged as `eval/<name>/<metric>`), and `eval_metrics` computed in Pyt
 
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
 that order, each opened by a banner comment; the guards come last, below a banner that names who
-calls them. One training step, from `fit` to the device and back: `fit`'s loop, `_Dispatch`
-(its call of the step `_new_steps` compiled), `_train_and_accumulate` (the bookkeeping),
-`_default_train_step` and `_gradient_step` (the math), then at a log point `_Loop.log` and
-`_Readings.read` (the sums, one call late). The map, by job:
+calls them. One training step, from `fit` to the device and back: `fit`'s loop, `_Data.calls`
+(its batch), `_Dispatch` (its call of the step `_new_steps` compiled), `_train_and_accumulate`
+(the bookkeeping), `_default_train_step` and `_gradient_step` (the math), then at a log point
+`_Loop.log` and `_Readings.read` (the sums, one call late). The map, by job:
 
     TrainState, Weighted, lr_schedule  public building blocks; ema, the weights' average
     Options, fit                       every option and its rules; the story of a run
@@ -45,7 +45,7 @@ calls them. One training step, from `fit` to the device and back: `fit`'s loop, 
     EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
     _adapt, _linen_forward             how the model is called: edit the forward here
     _mesh, _place_state, _putter       placement: the mesh, the state's copy, batches
-    _Data, _grouped, _prefetch         the data: the order of batches (`_Data.epoch`), positions
+    _Data, _grouped                    the data: an epoch's calls (`_Data.calls`), positions
     _gradient_step                     the step's math: change the step here (bf16, grads)
     _StepConfig, _build_steps          the compiled steps, cached; what traced code reads
     _step_values, _TrainSums           a per-step quantity (one edit), the train sums' layout
@@ -53,7 +53,8 @@ calls them. One training step, from `fit` to the device and back: `fit`'s loop, 
     _Plan, _pick_monitor               every period in steps; the monitor (the best, its mode)
     _Progress, _Checkpoints            what a checkpoint holds (one field list), saves, restores
     _Run, _Loop                        what hooks see; the loop's body: log, evals, checkpoint
-    _Dispatch, _Readings, _Clock       the steps' calls; train metrics on the host; time, speed
+    _Dispatch, _Readings, _Clock       the steps' calls (steps_per_jit's k); train metrics on the
+                                       host; time, speed
     guards                             checks before any work, advice on your functions, the
                                        run's claim and lock, checkpoints that do not fit
 """
@@ -479,8 +480,8 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
                          python=_python_metrics(opts.eval_metrics, model.view))
             due = step  # the step from which the loop checks what is due (here: the first)
             while not (run.stopping or plan.done(epoch, step)):
-                calls = train_data.calls(epoch, position, step, dispatch)
-                for batch, position, k, last in _prefetch(calls, steps.put):
+                calls = train_data.calls(epoch, position, step, dispatch, steps.put)
+                for batch, position, k, last in calls:
                     state = dispatch(state, batch, k, epoch=epoch, position=position)
                     step += k
                     stop = signals.reason or ckpts.count_call()  # (several processes: each call)
@@ -1278,14 +1279,21 @@ class _Data:
                              f"sizes and lengths (each new shape compiles once), not in their "
                              f"structure, dtypes or number of dimensions.")
 
-    def calls(self, epoch, position=(0, None), step=0, group=None):
-        """One epoch's calls `(batch, position, k)` from `position` on (batches trained before a
-        resume, a loader's state): k batches of one shape stacked where `group.steps_at(step)`
-        says k (steps_per_jit; arrays: gathered at once), every other batch alone; `position` is
-        where a checkpoint after the call resumes."""
-        if self.arrays:
-            return self._array_calls(epoch, position[0], step, group)
-        return _grouped(self.epoch(epoch, *position), step, group)
+    def calls(self, epoch, position=(0, None), step=0, group=None, put=None):
+        """One epoch's calls `(batch, position, k, last)` from `position` on (batches trained
+        before a resume, a loader's state): k batches of one shape stacked where
+        `group.steps_at(step)` says k (steps_per_jit; arrays: gathered at once), every other batch
+        alone, each `put` on its devices two calls ahead (asynchronously, while steps run: the
+        look-ahead tells the epoch's `last`); `position`: where a checkpoint after it resumes."""
+        calls = (self._array_calls(epoch, position[0], step, group) if self.arrays else
+                 _grouped(self.epoch(epoch, *position), step, group))
+        queue, put = collections.deque(), put or _itself
+        for batch, position, k in calls:
+            queue.append((put(batch, k > 1), position, k))
+            if len(queue) > 2:
+                yield *queue.popleft(), False
+        while queue:
+            yield *queue.popleft(), not queue
 
     def epoch(self, epoch, skip=0, data_state=None):
         """One epoch's `(batch, position)` of an iterable, skipping `skip` batches."""
@@ -1379,18 +1387,6 @@ def _same_shapes(a, b):
     same = lambda x, y: x.shape == y.shape and x.dtype == y.dtype
     return jax.tree.structure(a) == jax.tree.structure(b) and all(
         map(same, jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def _prefetch(batches, put, size=2):
-    """Puts the next `size` batches on their devices while the step runs (asynchronously); yields
-    `(batch, position, k, last)`: the look-ahead tells the epoch's last."""
-    queue = collections.deque()
-    for batch, position, k in batches:
-        queue.append((put(batch, k > 1), position, k))
-        if len(queue) > size:
-            yield *queue.popleft(), False
-    while queue:
-        yield *queue.popleft(), not queue
 
 
 # -- The train step: its math, pure (the function to edit), then fit's bookkeeping around it -------
@@ -2623,14 +2619,18 @@ _LAG = 1  # calls after a log point that its sums are read (the read waits for t
 _WINDOW = 0.2  # seconds of steady steps that steps_per_jit="auto" times, singly and grouped
 
 
-def _steps_per_call(per_step, waited, compile_s, left, periods, unroll=False):
-    """steps_per_jit="auto"'s k to try, from single steps of `per_step` seconds, a share `waited`
-    of it for the device: 1 where the device is the bottleneck (the host waited over 10% of the
-    time), where k steps would compile unrolled (`_unrolled`: ~k times a step's compile), or
-    where the `left` steps (None: unknown) would run for less than twice the `compile_s` so far;
-    else the largest k up to 16 that divides the log, eval and save `periods` (each stays exact).
-    A call of k steps does the host's work of one (data, dispatch, bookkeeping)."""
-    if waited > 0.1 or unroll or left is not None and left * per_step < 2 * compile_s:
+def _steps_per_call(timed, waited, compile_s, left, periods, *, unroll=False):
+    """steps_per_jit="auto"'s k from `timed`, the seconds a step by steps a call measured so far.
+    With single steps alone, the k to try: 1 where the device is the bottleneck (the host `waited`
+    for it over 10% of the time), where k steps would compile unrolled (`_unrolled`: ~k times a
+    step's compile), or where the `left` steps (None: unknown) would run for less than twice the
+    `compile_s` so far; else the largest k up to 16 that divides the log, eval and save `periods`,
+    so each stays exact (a call of k steps does the host's work of one: its data, dispatch and
+    bookkeeping). With k-step calls timed too: k if their steps ran 10% faster, else 1."""
+    if len(timed) > 1:
+        k = max(timed)
+        return k if timed[k] * 1.1 < timed[1] else 1
+    if waited > 0.1 or unroll or left is not None and left * timed[1] < 2 * compile_s:
         return 1
     return max(k for k in range(1, 17) if all(p % k == 0 for p in periods))
 
@@ -2645,13 +2645,15 @@ class _Dispatch:
         self.steps, self.clock, self.acc, self.calls = steps, clock, steps.acc0, 0
         self.compiled, self.marker, self.waited = {}, None, 0.0  # {shape: (rows, FLOPs)}
         # The batch shapes fed since the last log point, where they changed (agree_shapes).
-        self.shape, self.changes, self.fed, self.said = None, [], step, False
+        self.shape, self.changes, self.fed = None, [], step
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
         self.auto = opts.steps_per_jit == "auto" and jax.process_count() == 1  # (see tune)
+        self.said = opts.steps_per_jit == "auto"  # (whether broken groups were said: auto's are
+        # its own, not the user's)
         self.k = 1 if opts.steps_per_jit == "auto" else opts.steps_per_jit
         self.stop, self.total, self.unroll, self.train_k = opts.max_steps, total, None, None
         self.periods = [p for p in (opts.log_every, opts.eval_every, opts.ckpt_every) if p]
-        self.mark = self.single = None  # (tune's: where its window began; a step's time alone)
+        self.mark, self.timed = None, {}  # (tune's: where its window began; {k: s a step})
 
     def steps_at(self, step):
         """The steps of a call that starts at `step`: k at multiples of k (so a resume groups
@@ -2661,7 +2663,7 @@ class _Dispatch:
 
     def broken(self, step):
         """A run of k batches whose shapes change at `step`: its batches run alone (said once)."""
-        if not (self.said or self.auto):
+        if not self.said:
             warnings.warn(f"fit: steps_per_jit={self.k} stacks runs of {self.k} batches of one "
                           f"shape, but the shapes changed within one at step {step}, whose "
                           f"batches run singly; order the data in runs of {self.k}.")
@@ -2678,7 +2680,6 @@ class _Dispatch:
         if cost := self.compiled.get(shape):  # (rows, FLOPs per device) of a call of this shape
             train = self.steps.train if k == 1 else self.train_k
             state, self.acc = train(state, self.acc, batch, self.steps.frozen)
-            self.clock.ran(k, *cost)
         else:  # one wait per new shape, so compile time is kept out of the rate
             state = self._compile(state, batch, shape, (epoch, position))
         if self.calls % _AHEAD == 0:  # no queue of batches (and, measured, a faster host)
@@ -2686,7 +2687,8 @@ class _Dispatch:
             if self.marker is not None:  # the call _AHEAD before, usually long done
                 self.marker.block_until_ready()
             self.waited, self.marker = self.waited + time.perf_counter() - t, self.acc["count"]
-        self.clock.ready()
+        if cost:
+            self.clock.ran(k, *cost)
         return state
 
     def _compile(self, state, batch, shape, where):
@@ -2738,17 +2740,16 @@ class _Dispatch:
             self.mark = self.mark or now
             return
         steps, seconds, waited = (b - a for a, b in zip(self.mark, now))
-        self.mark, timed = now, self.clock.chosen["steps_per_jit_us"]
-        timed[self.k] = round(1e6 * seconds / steps, 2)  # (us a step, by steps a call)
-        if self.k == 1:  # single steps timed: try k a call?
-            self.k = _steps_per_call(seconds / steps, waited / seconds, self.clock.spent[
-                "compile"][0], self.total and self.total - step, self.periods, self.unroll)
-            if self.k > 1:
-                return
-        elif timed[self.k] * 1.1 > timed[1]:  # (not 10% faster: single steps again)
-            self.k = 1
-        self.auto, self.clock.chosen["steps_per_jit"] = False, self.k
-        _say(self.verbose, f"fit: steps_per_jit='auto': {self.k} step(s) a call from step {step} "
+        self.mark, self.timed[self.k] = now, seconds / steps
+        k = _steps_per_call(self.timed, waited / seconds, self.clock.spent["compile"][0],
+                            self.total and self.total - step, self.periods, unroll=self.unroll)
+        if self.k == 1 and k > 1:  # (to be timed in turn)
+            self.k = k
+            return
+        timed = {k: round(1e6 * t, 2) for k, t in self.timed.items()}  # (us a step)
+        self.auto, self.k, self.clock.chosen = False, k, {"steps_per_jit": k,
+                                                          "steps_per_jit_us": timed}
+        _say(self.verbose, f"fit: steps_per_jit='auto': {k} step(s) a call from step {step} "
                            f"(measured, us a step by steps a call: {timed}).")
 
     def _compile_check(self, state):
@@ -2927,11 +2928,9 @@ class _Clock:
     def fetched(self):  # (a batch fetched: the host's wait for data, since the last call)
         self.spent["data"][0] += time.perf_counter() - self.t_ready
 
-    def ready(self):
-        self.t_ready = time.perf_counter()
-
-    def ran(self, k, rows, flops):  # (a steady call of k steps)
+    def ran(self, k, rows, flops):  # (a steady call of k steps, done: the host fetches data)
         self.rows, self.flops, self.counted = self.rows + rows, self.flops + flops, self.counted + k
+        self.t_ready = time.perf_counter()
 
     def sums_read(self, steps, tokens):  # (the sums of `steps` read: their loss's weights)
         self.summed, self.tokens = self.summed + steps, self.tokens + tokens * self.weighted
@@ -3109,7 +3108,7 @@ def _eval_set(steps, test, state, name=None, *, clock=None, python=None):
     with clock.timed("eval") if clock else contextlib.nullcontext():
         acc, step, sums = steps.eval0[name], steps.evals[name], steps.eval_sums[name]
         host, last = {}, {}
-        for batch, *_ in _prefetch(test.calls(0), steps.put):
+        for batch, *_ in test.calls(0, put=steps.put):
             acc, out = step(state, acc, batch, steps.frozen)
             host, last = _merged(host, last), out  # (the batch before this one's)
         values = sums.read(jax.device_get(acc), _merged(host, last), f"the eval set {test.name}")
