@@ -1163,9 +1163,9 @@ class _Data:
         self.length = min(math.ceil(n / batch_size), self.cap or math.inf)
         self.sizes = [min(batch_size, n - i * batch_size) for i in range(self.length)]
         self.global_batch = batch_size
-        # Rows `idx` of x and y, one gather each: `idx` a batch's rows, or k batches' (k, rows).
-        self.rows = lambda idx: (x[idx], y[idx]) if idx.ndim == 1 else tuple(
-            a[idx.ravel()].reshape(*idx.shape, *a.shape[1:]) for a in (x, y))
+        # Rows `idx` of x and y, one gather each (`take`: ~3x faster than x[idx] for a few rows):
+        # `idx` a batch's rows, or k batches' (k, rows).
+        self.rows = lambda idx: (x.take(idx, 0), y.take(idx, 0))
         if isinstance(x, jax.Array) or isinstance(y, jax.Array):
             self.rows = self._device_rows
         return self._convert(tuple(next(self._array_calls(0, 0))[0]), 0)
@@ -1196,7 +1196,8 @@ class _Data:
         """Rows `idx` of x and y where each is: device arrays' in one call, numpy's on the host."""
         on_device = [a for a in (self.x, self.y) if isinstance(a, jax.Array)]
         rows = iter(_take(on_device, idx))
-        return tuple(next(rows) if isinstance(a, jax.Array) else a[idx] for a in (self.x, self.y))
+        return tuple(next(rows) if isinstance(a, jax.Array) else a.take(idx, 0)
+                     for a in (self.x, self.y))
 
     def _iterable(self, ds):
         if hasattr(ds, "set_epoch"):
@@ -2828,7 +2829,7 @@ class _Readings:
             (ready if sync else self.pending).append((acc, step, log_due, calls))
         logged = []
         for acc, at, log, _ in ready:
-            self._add(jax.device_get(acc), at)
+            self._add(jax.tree.map(np.asarray, acc), at)  # (device_get: ~0.1 ms more on CPU)
             logged += self._interval(at) if log else []
         return logged
 
