@@ -1049,11 +1049,13 @@ def _putter(mesh, axes):
     """`put(batch, stacked=False)`: a batch (this process's rows) sharded along its leading axis
     (`stacked`: each of k batches'); one that does not split evenly (a small last batch) goes whole
     to every device. Shardings are made here, once (~1-5 us a batch). On one device numpy goes to
-    the step as it is: jit's C++ path places it faster than device_put (H100: +10% steps/s)."""
+    the step as it is: jit's C++ path places it faster than device_put (H100: +10% steps/s); and
+    so does an array on that device already (device_put cost ~0.1 ms a batch on a CPU, #49)."""
     if mesh.size == 1 and jax.process_count() == 1:
         one = _replicated(mesh)
-        numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
-        return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
+        there = lambda a: isinstance(a, np.ndarray) or a.sharding.device_set == one.device_set
+        return lambda batch, stacked=False: batch if all(map(there, jax.tree.leaves(
+            batch))) else jax.device_put(batch, one)
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     shards, shares, processes = _local_shards(mesh, axes), _share(mesh, axes)[1], \
         jax.process_count()
@@ -1362,10 +1364,11 @@ def _kinds(batch):
 
 def _grouped(batches, step, group=None):
     """An iterable's calls `(batch, position, k)` (see `_Data.calls`): a run of k batches is stacked
-    if they have one shape; else (`group.broken`) they run alone."""
-    run, k = [], 1  # (run: the batches of a group so far, of the k it takes)
-    for batch, position in batches:
-        if run and not _same_shapes(batch, run[0][0]):  # another shape ends the run:
+    if their shapes agree (`_convert` checked their structure and dtypes), else (`group.broken`)
+    they run alone."""
+    run, k, shapes = [], 1, lambda batch: [a.shape for a in jax.tree.leaves(batch)]
+    for batch, position in batches:  # (run: the batches of a group so far, of the k it takes)
+        if run and shapes(batch) != shapes(run[0][0]):  # another shape ends the run:
             group.broken(step + len(run))
             yield from ((b, p, 1) for b, p in run)  # its batches run alone
             step, run = step + len(run), []
@@ -1381,13 +1384,6 @@ def _grouped(batches, step, group=None):
             yield jax.tree.map(stack, *[b for b, _ in run]), position, k
             step, run = step + k, []
     yield from ((b, p, 1) for b, p in run)
-
-
-def _same_shapes(a, b):
-    """Whether two batches have the same structure, dtypes and shapes."""
-    same = lambda x, y: x.shape == y.shape and x.dtype == y.dtype
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        map(same, jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 # -- The train step: its math, pure (the function to edit), then fit's bookkeeping around it -------
@@ -2672,7 +2668,7 @@ class _Dispatch:
 
     def __call__(self, state, batch, k, *, epoch=0, position=(0, None)):
         """Step n (or k steps) on `batch`; a new shape compiles first (`_compile`)."""
-        self.clock.fetched()
+        started = time.perf_counter()  # (the host's wait for the batch ends)
         shape = (k, *(a.shape for a in jax.tree.leaves(batch)))
         if shape != self.shape:  # (length buckets: a new shape)
             self.shape = shape
@@ -2689,7 +2685,7 @@ class _Dispatch:
                 self.marker.block_until_ready()
             self.waited, self.marker = self.waited + time.perf_counter() - t, self.acc["count"]
         if cost:
-            self.clock.ran(k, *cost)
+            self.clock.ran(k, *cost, started)
         return state
 
     def _compile(self, state, batch, shape, where):
@@ -2926,10 +2922,10 @@ class _Clock:
         self.chosen = {"steps_per_jit": 1 if opts.steps_per_jit == "auto" else opts.steps_per_jit,
                        "steps_per_jit_us": {}}
 
-    def fetched(self):  # (a batch fetched: the host's wait for data, since the last call)
-        self.spent["data"][0] += time.perf_counter() - self.t_ready
-
-    def ran(self, k, rows, flops):  # (a steady call of k steps, done: the host fetches data)
+    def ran(self, k, rows, flops, started):
+        """A steady call of k steps, `started` once the host had its batch (the wait for data:
+        since the last call's end)."""
+        self.spent["data"][0] += started - self.t_ready
         self.rows, self.flops, self.counted = self.rows + rows, self.flops + flops, self.counted + k
         self.t_ready = time.perf_counter()
 

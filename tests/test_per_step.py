@@ -250,5 +250,9 @@ def test_on_one_device_numpy_batches_go_to_the_step_as_they_are(monkeypatch, one
         monkeypatch.setattr(fit_module, "_platform", lambda mesh: platform)
         put = fit_module._putter(one_device_mesh, "data")
         assert put(batch) is batch and put(batch, True) is batch, platform
-        placed = put((jnp.zeros((4, 3)), batch[1]))  # a batch with a jax.Array is placed whole
+        # (#49) so does a jax.Array on that device already; one elsewhere is placed, all the batch
+        there = (jax.device_put(jnp.zeros((4, 3)), one_device_mesh.devices.flat[0]), batch[1])
+        assert put(there) is there, platform
+        placed = put((jax.device_put(jnp.zeros((4, 3)), jax.devices()[1]), batch[1]))
         assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(placed)), platform
+        assert {d for a in placed for d in a.devices()} == {one_device_mesh.devices.flat[0]}
