@@ -610,7 +610,8 @@ class History(dict):
     (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` (and `eval_ema/...`) per eval,
     and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`
     (`_Clock.timing`: seconds apart from the steady rate, e.g. `compile_s`, `eval_s`, `hooks_s`,
-    `steady_steps_per_s`, the `perf/` speeds, XLA's memory estimate of the step)."""
+    `steady_steps_per_s`, the `perf/` speeds, XLA's memory estimate of the step, `steps_per_jit`:
+    the k used, and "auto"'s times, us a step by k, `steps_per_jit_us`)."""
     run = log_dir = ckpt_dir = timing = None
 
 
@@ -2719,7 +2720,7 @@ class _Dispatch:
                              f"from the first batch's {first[1:]}: does the model take inputs "
                              f"of that shape? ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:300]})") from e
-        if len(self.compiled) == _MANY_SHAPES:
+        if k == 1 and sum(s[0] == 1 for s in self.compiled) == _MANY_SHAPES:  # (batch shapes)
             warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, and "
                           f"each new shape compiles the step again; pad them to a few lengths "
                           f"(buckets) instead.")

@@ -15,7 +15,9 @@ batches, fed as they are to both (the single-step pair only). The methods:
               `block_until_ready` at the end;
   hand_scan   a `lax.scan` of 10 steps per jitted call, fully unrolled (`unroll=True`);
   fit         `fit()` with its defaults: progress bar, TensorBoard, checkpoints every 300 s of
-              wall time and at the end (so one, at the end, in these short runs);
+              wall time and at the end (so one, at the end, in these short runs), and
+              steps_per_jit="auto" (#49; `history.timing["steps_per_jit"]` says what it chose;
+              the per-step scenario pins 1);
   fit_scan    `fit(..., steps_per_jit=10)`.
 
 For the BatchNorm + Dropout model the hand loops do the work of fit's default train step:
@@ -348,8 +350,7 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
                          eval_step=_eval_step if test else None, num_epochs=epochs,
                          batch_size=None if y is None else BATCHES.get(spec["model"], BATCH),
                          workdir=workdir,
-                         log_name="bench", hooks=[mark], **accum,
-                         steps_per_jit=spec["k"] if spec["method"] == "fit_scan" else 1)
+                         log_name="bench", hooks=[mark], **accum, **_steps_per_jit(spec))
     jax.block_until_ready(state)
     wall = time.perf_counter() - t0
     timing = dict(history.timing)
@@ -358,6 +359,15 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
             "wall_s": wall, "steps": timing["steps"], **_cpu_per_step(marks),
             "save_ms": 1000 * timing["save_s"] / saves if saves else None,
             "eval": history.get("eval/accuracy"), "timing": timing}
+
+
+def _steps_per_jit(spec):
+    """fit_scan: steps_per_jit=k; the per-step scenario: 1 (the cost a step of fit's path, the same
+    rate in its short and long calls; #49's null-model table measures the defaults' grouping); the
+    rest: fit's default ("auto", #49; 1 before it)."""
+    if spec["method"] == "fit_scan":
+        return {"steps_per_jit": spec["k"]}
+    return {"steps_per_jit": 1} if spec["scenario"] == "diff" else {}
 
 
 def _run_hand(spec, model, params, batch_stats, tx, x, y, test, epochs):
