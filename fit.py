@@ -1055,8 +1055,10 @@ def _putter(mesh, axes):
     if mesh.size == 1 and jax.process_count() == 1:
         one = _replicated(mesh)
         there = lambda a: isinstance(a, np.ndarray) or a.sharding.device_set == one.device_set
-        return lambda batch, stacked=False: batch if all(map(there, jax.tree.leaves(
+        put = lambda batch, stacked=False: batch if all(map(there, jax.tree.leaves(
             batch))) else jax.device_put(batch, one)
+        put.keeps_numpy = True  # (`_Data.calls` skips it for data all numpy)
+        return put
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     shards, shares, processes = _local_shards(mesh, axes), _share(mesh, axes)[1], \
         jax.process_count()
@@ -1146,6 +1148,11 @@ class _Data:
             self.sizes = [len(jax.tree.leaves(batch)[0]) for batch in checked]
             if type(ds) in (list, tuple):  # (a subclass may iterate its own way)
                 self.ready = checked  # its batches as they will be fed, checked once
+        # Whether every batch is numpy (arrays, or a list's checked batches): no placing on one
+        # device (`_putter`), where jit takes numpy as it is.
+        held = (self.x, self.y) if self.arrays else self.ready
+        self.numpy = held is not None and all(isinstance(a, np.ndarray)
+                                              for a in jax.tree.leaves(held))
 
     def _arrays(self, ds, batch_size):
         """Arrays (x, y): every process passes the same ones, and `batch_size` is the global
@@ -1291,7 +1298,8 @@ class _Data:
         look-ahead tells the epoch's `last`); `position`: where a checkpoint after it resumes."""
         calls = (self._array_calls(epoch, position[0], step, group) if self.arrays else
                  _grouped(self.epoch(epoch, *position), step, group))
-        queue, put = collections.deque(), put or _itself
+        numpy = self.numpy and getattr(put, "keeps_numpy", False)
+        queue, put = collections.deque(), _itself if numpy or put is None else put
         for batch, position, k in calls:
             queue.append((put(batch, k > 1), position, k))
             if len(queue) > 2:

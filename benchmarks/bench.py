@@ -755,6 +755,8 @@ def main(argv=None):
                              "defaults) and Keras 3 (JAX) if installed; writes null.json and null.md")
     parser.add_argument("--null-steps", type=int, default=40000,
                         help="with --null: n, the short call's steps (the long call runs 2n)")
+    parser.add_argument("--null-methods", default=",".join(NULL_METHODS),
+                        help="with --null: which of them (Keras' only if installed)")
     parser.add_argument("--accelerator", action="store_true",
                         help="#28's table for a GPU (any backend runs it): the dispatch test, then "
                              "per model hand, fit and fit_cond (fit with the log steps' norms "
@@ -962,8 +964,8 @@ def _null_table(args, repeats, fit_dir, log_dir, info, runs):
     fresh process; a method's cost a step is (wall(2n) - wall(n)) / n, so compile, start-up and
     the final save cancel. Ratios are the median [min-max] of within-repeat ratios."""
     import importlib.util
-    n, methods = args.null_steps, [m for m in NULL_METHODS if not m.startswith("keras")
-                                   or importlib.util.find_spec("keras") is not None]
+    n, methods = args.null_steps, [m for m in args.null_methods.split(",") if m and (
+        not m.startswith("keras") or importlib.util.find_spec("keras") is not None)]
     for r in range(repeats):
         for method in methods[r % len(methods):] + methods[:r % len(methods)]:
             for steps in (n, 2 * n):
@@ -997,6 +999,7 @@ def null_report(runs, methods, repeats, n, info, args):
     table = {}
     for m in methods:
         base = NULL_TARGETS.get(m, ("hand",))[0]
+        base = base if base in methods else m
         per = [cost(m, rep, "wall_s") for rep in range(repeats)]
         table[m] = {"steps_per_s": spread([1 / c for c in per if c]),
                     "host_us_per_step": median([1e6 * c for c in (cost(m, rep, "cpu_s")
