@@ -2643,9 +2643,9 @@ def _steps_per_call(timed, waited, compile_s, left, periods, *, unroll=False):
 
 class _Dispatch:
     """The compiled steps' calls: dispatches step n (or k steps) and keeps their on-device sums
-    (`take`); only a new batch shape waits, to compile and to time it, and XLA's estimates of it
-    (FLOPs for `_Clock`, the memory, said before its first step). `steps_at` says how many steps
-    a call takes (steps_per_jit; "auto": `tune`'s choice)."""
+    (`_Readings.read` takes them); only a new batch shape waits, to compile and to time it, and
+    XLA's estimates of it (FLOPs for `_Clock`, the memory, said before its first step). `steps_at`
+    says how many steps a call takes (steps_per_jit; "auto": `tune`'s choice)."""
 
     def __init__(self, steps, clock, opts, step, total=None):
         self.steps, self.clock, self.acc, self.calls = steps, clock, steps.acc0, 0
@@ -2654,8 +2654,7 @@ class _Dispatch:
         self.shape, self.changes, self.fed = None, [], step
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
         self.auto = opts.steps_per_jit == "auto" and jax.process_count() == 1  # (see tune)
-        self.said = opts.steps_per_jit == "auto"  # (whether broken groups were said: auto's are
-        # its own, not the user's)
+        self.said = opts.steps_per_jit == "auto"  # (broken groups: auto's are its own, unsaid)
         self.k = 1 if opts.steps_per_jit == "auto" else opts.steps_per_jit
         self.stop, self.total, self.unroll, self.train_k = opts.max_steps, total, None, None
         self.periods = [p for p in (opts.log_every, opts.eval_every, opts.ckpt_every) if p]
@@ -2742,14 +2741,14 @@ class _Dispatch:
             return
         jax.block_until_ready(self.acc)  # (the interval's steps have run: its time is theirs)
         now = (step, self.clock.steady_seconds(), self.waited)
-        if self.mark is None or now[1] - self.mark[1] < _WINDOW:
-            self.mark = self.mark or now
+        steps, seconds, waited = (b - a for a, b in zip(self.mark or now, now))
+        self.mark = self.mark or now
+        if seconds < _WINDOW:
             return
-        steps, seconds, waited = (b - a for a, b in zip(self.mark, now))
         self.mark, self.timed[self.k] = now, seconds / steps
         k = _steps_per_call(self.timed, waited / seconds, self.clock.spent["compile"][0],
                             self.total and self.total - step, self.periods, unroll=self.unroll)
-        if self.k == 1 and k > 1:  # (to be timed in turn)
+        if len(self.timed) == 1 and k > 1:  # (k-step calls to be timed in turn)
             self.k = k
             return
         timed = {k: round(1e6 * t, 2) for k, t in self.timed.items()}  # (us a step)
@@ -2794,11 +2793,6 @@ class _Dispatch:
             estimate.update({key: max(v, estimate[key] or 0) for key, v in new.items()})
         return rows, flops
 
-    def take(self):
-        """The sums of the calls since the last `take`, and the calls made; the sums start anew."""
-        acc, self.acc = self.acc, self.steps.acc0
-        return acc, self.calls
-
     def agree_shapes(self, step):
         """Every process fed batches of the same shapes since the last log point (_check_data)."""
         fed = "; ".join(f"step {s + 1}: {shape[1:]}" for s, shape in self.changes)
@@ -2830,7 +2824,8 @@ class _Readings:
         if log_due or sync:
             if jax.process_count() > 1:
                 self.dispatch.agree_shapes(step)
-            acc, calls = self.dispatch.take()
+            d = self.dispatch  # (its sums since the last log point, taken: they start anew)
+            acc, calls, d.acc = d.acc, d.calls, self.steps.acc0
             (ready if sync else self.pending).append((acc, step, log_due, calls))
         logged = []
         for acc, at, log, _ in ready:

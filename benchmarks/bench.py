@@ -69,7 +69,7 @@ call takes to return against the wall time) and, with `--put-test`, the host's t
 tiny-MLP batch each way. Writes accelerator.json and .md after every run (a run cut short by its
 time limit keeps what it did), and the XLA donation warnings the runs printed.
 
-The null-model table (#49; `--null`, alone: `python benchmarks/bench.py --null`, ~15 min) times
+The null-model table (#49; `--null`, alone: `python benchmarks/bench.py --null`, 5-10 min) times
 the host's work a step, on a model with almost no device work (Dense 8 -> 1, batch 8, Adam,
 arrays): each of hand, hand_scan (10 steps a call), fit (steps_per_jit=1), fit_scan (10),
 fit_auto (fit's defaults) and, where installed, Keras 3's fit on JAX (steps_per_execution 1 and
