@@ -324,9 +324,9 @@ class Options:
 
     # option: (error, is a value valid?, what it must be); None passes if it is the default
     _RULES = {
-        **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "grad_accum",
-                         "ckpt_every", "max_steps", "steps_per_epoch", "eval_every", "batch_size"),
-                        (ValueError, _positive_int, "a positive integer")),
+        **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep",
+                         "grad_accum", "ckpt_every", "max_steps", "steps_per_epoch", "eval_every",
+                         "batch_size"), (ValueError, _positive_int, "a positive integer")),
         "steps_per_jit": (ValueError, lambda v: v == "auto" or _positive_int(v),
                           "'auto' or a positive integer"),
         "eval_steps": (ValueError, lambda v: _positive_int(v) or isinstance(v, dict) and all(
@@ -2742,8 +2742,8 @@ class _Dispatch:
         jax.block_until_ready(self.acc)  # (the interval's steps have run: its time is theirs)
         now = (step, self.clock.steady_seconds(), self.waited)
         steps, seconds, waited = (b - a for a, b in zip(self.mark or now, now))
-        self.mark = self.mark or now
-        if seconds < _WINDOW:
+        self.mark = self.mark or now  # (the window begins at the first log point)
+        if not steps or seconds < _WINDOW:
             return
         self.mark, self.timed[self.k] = now, seconds / steps
         k = _steps_per_call(self.timed, waited / seconds, self.clock.spent["compile"][0],
