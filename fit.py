@@ -34,10 +34,10 @@ sets, each logged as `eval/<name>/<metric>`), and `eval_metrics` computed in Pyt
 
 How to read this file: `fit` is the whole story, top to bottom; the parts it uses follow in
 that order, each opened by a banner comment; the guards come last, below a banner that names who
-calls them. One training step, from `fit` to the device and back: `fit`'s loop, `_Dispatch`
-(its call of the step `_new_steps` compiled), `_train_and_accumulate` (the bookkeeping),
-`_default_train_step` and `_gradient_step` (the math), then at a log point `_Loop.log` and
-`_Readings.read` (the sums, one call late). The map, by job:
+calls them. One training step, from `fit` to the device and back: `fit`'s loop, `_Data.calls`
+(its batch), `_Dispatch` (its call of the step `_new_steps` compiled), `_train_and_accumulate`
+(the bookkeeping), `_default_train_step` and `_gradient_step` (the math), then at a log point
+`_Loop.log` and `_Readings.read` (the sums, one call late). The map, by job:
 
     TrainState, Weighted, Total        public building blocks; lr_schedule; ema, the average
     Options, fit                       every option and its rules; the story of a run
@@ -45,7 +45,7 @@ calls them. One training step, from `fit` to the device and back: `fit`'s loop, 
     EarlyStopping, Profiler            hooks; ProgressBar and TensorBoard are the built-in ones
     _adapt, _linen_forward             how the model is called: edit the forward here
     _mesh, _place_state, _putter       placement: the mesh, the state's copy, batches
-    _Data, _grouped, _prefetch         the data: the order of batches (`_Data.epoch`), positions
+    _Data, _grouped                    the data: an epoch's calls (`_Data.calls`), positions
     _gradient_step                     the step's math: change the step here (bf16, grads)
     _StepConfig, _build_steps          the compiled steps, cached; what traced code reads
     _step_values, _TrainSums           a per-step quantity (`step_metrics`, public), the sums
@@ -53,7 +53,8 @@ calls them. One training step, from `fit` to the device and back: `fit`'s loop, 
     _Plan, _pick_monitor               every period in steps; the monitor (the best, its mode)
     _Progress, _Checkpoints            what a checkpoint holds (one field list), saves, restores
     _Run, _Loop                        what hooks see; the loop's body: log, evals, checkpoint
-    _Dispatch, _Readings, _Clock       the steps' calls; train metrics on the host; time, speed
+    _Dispatch, _Readings, _Clock       the steps' calls (steps_per_jit's k); train metrics on the
+                                       host; time, speed
     guards                             checks before any work, advice on your functions, the
                                        run's claim and lock, checkpoints that do not fit
 """
@@ -274,8 +275,9 @@ class Options:
     hparams: a dict for TensorBoard's HParams tab, beside the plain options and derived values.
     seed=0: fills `state.rng` if None, shuffles arrays from `(seed, epoch)`; checked on resume.
     lr_fn: `lr_fn(step) -> learning rate`, to log the rate without `optax.inject_hyperparams`.
-    steps_per_jit=1: k steps per compiled call, over groups of k batches of one shape starting at
-        multiples of k, where logs, evals, saves and stops then fall; other batches run singly.
+    steps_per_jit="auto": k steps per compiled call, over groups of k batches of one shape starting
+        at multiples of k, where logs, evals, saves and stops then fall; other batches run singly.
+        "auto": 1, unless fit measures that its steps wait for the host (`_steps_per_call`).
     grad_accum=1: k microbatches per train batch, in a rolled scan inside the step: the losses'
         totals' gradients and their weights are summed, then divided once, so an update is the
         whole batch's for a loss that sums over rows: a mean, a `Weighted` loss over padded
@@ -332,7 +334,7 @@ class Options:
     hparams: dict | None = None
     seed: int = dataclasses.field(default=0, metadata=_TRACED)
     lr_fn: Callable[[Any], Any] | None = dataclasses.field(default=None, metadata=_TRACED)
-    steps_per_jit: int = 1
+    steps_per_jit: int | str = "auto"
     grad_accum: int = dataclasses.field(default=1, metadata=_TRACED)
     grad_accum_mode: str = dataclasses.field(default="losses", metadata=_TRACED)
     hooks: Sequence[Callable[[str, Any], Any]] = ()
@@ -348,9 +350,11 @@ class Options:
 
     # option: (error, is a value valid?, what it must be); None passes if it is the default
     _RULES = {
-        **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep", "steps_per_jit",
+        **dict.fromkeys(("num_epochs", "eval_freq", "log_every", "max_to_keep",
                          "grad_accum", "ckpt_every", "max_steps", "steps_per_epoch", "eval_every",
                          "batch_size"), (ValueError, _positive_int, "a positive integer")),
+        "steps_per_jit": (ValueError, lambda v: v == "auto" or _positive_int(v),
+                          "'auto' or a positive integer"),
         "eval_steps": (ValueError, lambda v: _positive_int(v) or isinstance(v, dict) and all(
             map(_positive_int, v.values())), "a positive integer, or a dict {eval set: one}"),
         **dict.fromkeys(("loss_fn", "eval_step", "train_step", "lr_fn", "nnx_loss_fn",
@@ -511,15 +515,14 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
             ckpts.open()
             run.call("train_start", state, step, epoch)
             clock = run.clock = _Clock(steps, opts, step)  # time and speed: it starts now
-            dispatch = _Dispatch(steps, clock, opts, step)  # the compiled steps' calls
+            dispatch = _Dispatch(steps, clock, opts, step, run.total_steps)  # the steps' calls
             loop = _Loop(run, _Readings(dispatch, opts, progress.meter, step), ckpts, signals,
                          plan=plan, eval_data=eval_data, verbose=verbose,
                          python=_python_metrics(opts.eval_metrics, model.view))
             due = step  # the step from which the loop checks what is due (here: the first)
             while not (run.stopping or plan.done(epoch, step)):
-                batches = _grouped(train_data.epoch(epoch, *position), opts.steps_per_jit, step,
-                                   opts.max_steps, dispatch.said)
-                for batch, position, k, last in _prefetch(batches, steps.put):
+                calls = train_data.calls(epoch, position, step, dispatch, steps.put)
+                for batch, position, k, last in calls:
                     state = dispatch(state, batch, k, epoch=epoch, position=position)
                     step += k
                     stop = signals.reason or ckpts.count_call()  # (several processes: each call)
@@ -651,7 +654,8 @@ class History(dict):
     (epoch means) per epoch, `eval/epoch`, `eval/step`, `eval/...` (and `eval_ema/...`) per eval,
     and `stopped` (why a run stopped early); attributes `run`, `log_dir`, `ckpt_dir` and `timing`
     (`_Clock.timing`: seconds apart from the steady rate, e.g. `compile_s`, `eval_s`, `hooks_s`,
-    `steady_steps_per_s`, the `perf/` speeds, XLA's memory estimate of the step)."""
+    `steady_steps_per_s`, the `perf/` speeds, XLA's memory estimate of the step, `steps_per_jit`:
+    the k used, and "auto"'s times, us a step by k, `steps_per_jit_us`)."""
     run = log_dir = ckpt_dir = timing = None
 
 
@@ -1134,11 +1138,15 @@ def _putter(mesh, axes):
     """`put(batch, stacked=False)`: a batch (this process's rows) sharded along its leading axis
     (`stacked`: each of k batches'); one that does not split evenly (a small last batch) goes whole
     to every device. Shardings are made here, once (~1-5 us a batch). On one device numpy goes to
-    the step as it is: jit's C++ path places it faster than device_put (H100: +10% steps/s)."""
+    the step as it is: jit's C++ path places it faster than device_put (H100: +10% steps/s); and
+    so does an array on that device already (device_put cost ~0.1 ms a batch on a CPU, #49)."""
     if mesh.size == 1 and jax.process_count() == 1:
         one = _replicated(mesh)
-        numpy = lambda batch: all(isinstance(a, np.ndarray) for a in jax.tree.leaves(batch))
-        return lambda batch, stacked=False: batch if numpy(batch) else jax.device_put(batch, one)
+        there = lambda a: isinstance(a, np.ndarray) or a.sharding.device_set == one.device_set
+        put = lambda batch, stacked=False: batch if all(map(there, jax.tree.leaves(
+            batch))) else jax.device_put(batch, one)
+        put.keeps_numpy = True  # (`_Data.calls` skips it for data all numpy)
+        return put
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     shards, shares, processes = _local_shards(mesh, axes), _share(mesh, axes)[1], \
         jax.process_count()
@@ -1228,6 +1236,11 @@ class _Data:
             self.sizes = [len(jax.tree.leaves(batch)[0]) for batch in checked]
             if type(ds) in (list, tuple):  # (a subclass may iterate its own way)
                 self.ready = checked  # its batches as they will be fed, checked once
+        # Whether every batch is numpy (arrays, or a list's checked batches): no placing on one
+        # device (`_putter`), where jit takes numpy as it is.
+        held = (self.x, self.y) if self.arrays else self.ready
+        self.numpy = held is not None and all(isinstance(a, np.ndarray)
+                                              for a in jax.tree.leaves(held))
 
     def _arrays(self, ds, batch_size):
         """Arrays (x, y): every process passes the same ones, and `batch_size` is the global
@@ -1247,27 +1260,42 @@ class _Data:
                              f"number of examples, got {n} inputs and {len(self.y)} targets.")
         self.length = min(math.ceil(n / batch_size), self.cap or math.inf)
         self.sizes = [min(batch_size, n - i * batch_size) for i in range(self.length)]
-        self.rows, self.global_batch = (lambda idx: (x[idx], y[idx])), batch_size
+        self.global_batch = batch_size
+        # Rows `idx` of x and y, one gather each (`take`: ~3x faster than x[idx] for a few rows):
+        # `idx` a batch's rows, or k batches' (k, rows).
+        self.rows = lambda idx: (x.take(idx, 0), y.take(idx, 0))
         if isinstance(x, jax.Array) or isinstance(y, jax.Array):
             self.rows = self._device_rows
-        return self._convert(tuple(self._batch(np.arange(n), 0)), 0)
+        return self._convert(tuple(next(self._array_calls(0, 0))[0]), 0)
 
-    def _batch(self, order, i):
-        """Batch `i` of arrays in `order` (rows sorted: a memory-mapped file is read in order):
-        this process's share of the global batch, or all of it (`_Whole`) if it does not split
-        evenly over the processes."""
-        rows = np.sort(order[i * self.global_batch:(i + 1) * self.global_batch])
-        p, processes = self.share
-        if processes > 1 and len(rows) % processes:
-            return _Whole(self.rows(rows))
-        share = len(rows) // processes
-        return self.rows(rows[p * share:(p + 1) * share])
+    def _array_calls(self, epoch, skip, step=0, group=None):
+        """Arrays' calls from batch `skip` on (see `calls`): a batch's rows, or k batches' at once
+        (a group's), sorted within each batch (a memory-mapped file is read in order); the last
+        batch, if smaller and not split evenly over the processes, whole (`_Whole`)."""
+        order = np.arange(len(self.x))
+        if self.train_set:  # (the train set is shuffled each epoch: the same on every process)
+            order = np.random.default_rng([self.seed, epoch]).permutation(order)
+        (p, processes), n = self.share, self.global_batch
+        full = min(len(order) // n, self.length)  # (full batches: one sort of all, an epoch)
+        rows = np.sort(order[:full * n].reshape(full, n), axis=1)
+        rows = np.ascontiguousarray(rows[:, p * n // processes:(p + 1) * n // processes])
+        while skip < full:
+            k = group.steps_at(step) if group else 1
+            k = k if skip + k <= full else 1
+            yield self.rows(rows[skip] if k == 1 else rows[skip:skip + k]), (skip + k, None), k
+            skip, step = skip + k, step + k
+        if skip < self.length:  # the smaller last batch
+            last = np.sort(order[full * n:])
+            share = len(last) // processes
+            yield (_Whole(self.rows(last)) if len(last) % processes else
+                   self.rows(last[p * share:(p + 1) * share])), (skip + 1, None), 1
 
     def _device_rows(self, idx):
         """Rows `idx` of x and y where each is: device arrays' in one call, numpy's on the host."""
         on_device = [a for a in (self.x, self.y) if isinstance(a, jax.Array)]
         rows = iter(_take(on_device, idx))
-        return tuple(next(rows) if isinstance(a, jax.Array) else a[idx] for a in (self.x, self.y))
+        return tuple(next(rows) if isinstance(a, jax.Array) else a.take(idx, 0)
+                     for a in (self.x, self.y))
 
     def _iterable(self, ds):
         if hasattr(ds, "set_epoch"):
@@ -1350,14 +1378,25 @@ class _Data:
                              f"sizes and lengths (each new shape compiles once), not in their "
                              f"structure, dtypes or number of dimensions.")
 
+    def calls(self, epoch, position=(0, None), step=0, group=None, put=None):
+        """One epoch's calls `(batch, position, k, last)` from `position` on (batches trained
+        before a resume, a loader's state): k batches of one shape stacked where
+        `group.steps_at(step)` says k (steps_per_jit; arrays: gathered at once), every other batch
+        alone, each `put` on its devices two calls ahead (asynchronously, while steps run: the
+        look-ahead tells the epoch's `last`); `position`: where a checkpoint after it resumes."""
+        calls = (self._array_calls(epoch, position[0], step, group) if self.arrays else
+                 _grouped(self.epoch(epoch, *position), step, group))
+        numpy = self.numpy and getattr(put, "keeps_numpy", False)
+        queue, put = collections.deque(), _itself if numpy or put is None else put
+        for batch, position, k in calls:
+            queue.append((put(batch, k > 1), position, k))
+            if len(queue) > 2:
+                yield *queue.popleft(), False
+        while queue:
+            yield *queue.popleft(), not queue
+
     def epoch(self, epoch, skip=0, data_state=None):
-        """One epoch's `(batch, position)`, skipping `skip` batches (trained before a resume)."""
-        if self.arrays:  # (the order of all the rows: the same on every process)
-            order = np.arange(len(self.x))
-            if self.train_set:  # (the train set is shuffled each epoch)
-                order = np.random.default_rng([self.seed, epoch]).permutation(order)
-            yield from ((self._batch(order, i), (i + 1, None)) for i in range(skip, self.length))
-            return
+        """One epoch's `(batch, position)` of an iterable, skipping `skip` batches."""
         if self.ready is not None:  # a list: nothing to check again
             for i in range(skip, min(len(self.ready), self.cap or math.inf)):
                 yield self.ready[i], (i + 1, None)
@@ -1420,52 +1459,28 @@ def _kinds(batch):
     return treedef, tuple((np.dtype(a.dtype), len(a.shape)) for a in leaves)
 
 
-def _grouped(batches, k, step, max_steps=None, said=None):
-    """Yields `(batch, position, steps)`: runs of `k` equally shaped batches stacked (steps_per_jit)
-    from multiples of k in absolute steps, so a resume groups alike; other batches run singly."""
-    if k == 1:  # (the common case, at the least cost a batch)
-        yield from ((batch, position, 1) for batch, position in batches)
-        return
-    group, said = [], set() if said is None else said  # (said: warnings given in this call)
-    for batch, position in batches:
-        if group and not _same_shapes(batch, group[0][0]):  # another shape ends the group:
-            yield from ((b, p, 1) for b, p in group)  # its batches run as single steps
-            if "groups" not in said:
-                warnings.warn(f"fit: steps_per_jit={k} stacks runs of {k} batches of one shape, "
-                              f"but the shapes changed within one at step {step + len(group)}, "
-                              f"whose batches run singly; order the data in runs of {k}.")
-                said.add("groups")
-            step, group = step + len(group), []
-        starts = step % k == 0 and not (max_steps and step + k > max_steps)
-        if k == 1 or not (group or starts):
+def _grouped(batches, step, group=None):
+    """An iterable's calls `(batch, position, k)` (see `_Data.calls`): a run of k batches is stacked
+    if their shapes agree (`_convert` checked their structure and dtypes), else (`group.broken`)
+    they run alone."""
+    run, k, shapes = [], 1, lambda batch: [a.shape for a in jax.tree.leaves(batch)]
+    for batch, position in batches:  # (run: the batches of a group so far, of the k it takes)
+        if run and shapes(batch) != shapes(run[0][0]):  # another shape ends the run:
+            group.broken(step + len(run))
+            yield from ((b, p, 1) for b, p in run)  # its batches run alone
+            step, run = step + len(run), []
+        if not run:
+            k = group.steps_at(step) if group else 1
+        if k == 1:
             yield batch, position, 1
             step += 1
             continue
-        group.append((batch, position))
-        if len(group) == k:
+        run.append((batch, position))
+        if len(run) == k:
             stack = lambda *a: (jnp.stack if isinstance(a[0], jax.Array) else np.stack)(a)
-            yield jax.tree.map(stack, *[b for b, _ in group]), position, k
-            step, group = step + k, []
-    yield from ((b, p, 1) for b, p in group)
-
-
-def _same_shapes(a, b):
-    """Whether two batches have the same structure, dtypes and shapes."""
-    same = lambda x, y: x.shape == y.shape and x.dtype == y.dtype
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        map(same, jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
-def _prefetch(batches, put, size=2):
-    """Puts the next `size` batches on their devices while the step runs (asynchronously); yields
-    `(batch, position, k, last)`: the look-ahead tells the epoch's last."""
-    queue = collections.deque()
-    for batch, position, k in batches:
-        queue.append((put(batch, k > 1), position, k))
-        if len(queue) > size:
-            yield *queue.popleft(), False
-    while queue:
-        yield *queue.popleft(), not queue
+            yield jax.tree.map(stack, *[b for b, _ in run]), position, k
+            step, run = step + k, []
+    yield from ((b, p, 1) for b, p in run)
 
 
 # -- The train step: its math, pure (the function to edit), then fit's bookkeeping around it -------
@@ -1958,10 +1973,12 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
     one = functools.partial(_train_and_accumulate, _StepParts(step_fn, sums, lr_of, config))
     placement = (jax.tree.map(lambda x: x.sharding, state), replicated)
     train_1 = jax.jit(one, donate_argnums=0, out_shardings=placement)
-    # k steps per call: a scan over a stacked group of k batches (the frozen base outside it).
-    train_k = jax.jit(lambda state, acc, batches, frozen=None: jax.lax.scan(
-        lambda carry, b: (one(*carry, b, frozen), None), (state, acc), batches,
-        unroll=_unrolled())[0], donate_argnums=0, out_shardings=placement)
+    # k steps per call: a scan over a stacked group of k batches (the frozen base outside it),
+    # unrolled or not (`_unrolled`, asked once a run: built once for each answer).
+    train_k = functools.cache(lambda unroll: jax.jit(
+        lambda state, acc, batches, frozen=None: jax.lax.scan(
+            lambda carry, b: (one(*carry, b, frozen), None), (state, acc), batches,
+            unroll=unroll)[0], donate_argnums=0, out_shardings=placement))
     eval_fns, eval_sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)  # (after:
     # the train step's advice first)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
@@ -1984,10 +2001,12 @@ def _per_device(fn, config, mesh, out_specs):
                          check_vma=False)
 
 
-def _unrolled():
-    """Whether steps_per_jit's scan is unrolled: XLA's CPU backend runs a rolled scan of
-    convolutions ~10x slower than single steps, and an unrolled one ~1.2x faster."""
-    return jax.default_backend() == "cpu"
+def _unrolled(lowered):
+    """Whether k-step calls unroll their scan, from the single step's `lowered` program: on a CPU
+    where it has convolutions. XLA's CPU backend ran a rolled scan of convolution steps ~10x
+    slower than single steps and an unrolled one ~1.2x faster; without them a rolled scan of 10
+    ran 3x faster than an unrolled one (benchmarks/README.md, #49) and compiles as one step."""
+    return jax.default_backend() == "cpu" and "stablehlo.convolution" in lowered.as_text()
 
 
 def _under(mesh, fn):
@@ -2902,77 +2921,151 @@ def _hook_states(saved, hooks, names):
 _MANY_SHAPES = 10  # distinct train batch shapes (each compiles) before fit warns
 
 
-_AHEAD = 2  # calls the host may dispatch before the device has finished them
+_AHEAD = 2  # calls between the host's waits for the device, once a call _AHEAD before
 
 
 _LAG = 1  # calls after a log point that its sums are read (the read waits for them if need be)
 
 
+_WINDOW = 0.2  # seconds of steady steps that steps_per_jit="auto" times, singly and grouped
+
+
+def _steps_per_call(timed, waited, compile_s, left, periods, *, unroll=False):
+    """steps_per_jit="auto"'s k from `timed`, the seconds a step by steps a call measured so far.
+    With single steps alone, the k to try: 1 where the device is the bottleneck (the host `waited`
+    for it over 10% of the time), where k steps would compile unrolled (`_unrolled`: ~k times a
+    step's compile), or where the `left` steps (None: unknown) would run for less than twice the
+    `compile_s` so far; else the largest k up to 16 that divides the log, eval and save `periods`,
+    so each stays exact (a call of k steps does the host's work of one: its data, dispatch and
+    bookkeeping). With k-step calls timed too: k if their steps ran 10% faster, else 1."""
+    if len(timed) > 1:
+        k = max(timed)
+        return k if timed[k] * 1.1 < timed[1] else 1
+    if waited > 0.1 or unroll or left is not None and left * timed[1] < 2 * compile_s:
+        return 1
+    return max(k for k in range(1, 17) if all(p % k == 0 for p in periods))
+
+
 class _Dispatch:
     """The compiled steps' calls: dispatches step n (or k steps) and keeps their on-device sums
-    (`take`); only a new batch shape waits, to compile and to time it, and XLA's estimates of it
-    (FLOPs for `_Clock`, the memory, said before its first step)."""
+    (`_Readings.read` takes them); only a new batch shape waits, to compile and to time it, and
+    XLA's estimates of it (FLOPs for `_Clock`, the memory, said before its first step). `steps_at`
+    says how many steps a call takes (steps_per_jit; "auto": `tune`'s choice)."""
 
-    def __init__(self, steps, clock, opts, step):
+    def __init__(self, steps, clock, opts, step, total=None):
         self.steps, self.clock, self.acc, self.calls = steps, clock, steps.acc0, 0
-        self.compiled, self.inflight = {}, collections.deque()  # {shape: (rows, FLOPs)}
+        self.compiled, self.marker, self.waited = {}, None, 0.0  # {shape: (rows, FLOPs)}
         # The batch shapes fed since the last log point, where they changed (agree_shapes).
-        self.shape, self.changes, self.fed, self.said = None, [], step, set()
+        self.shape, self.changes, self.fed = None, [], step
         self.grad_accum, self.verbose = opts.grad_accum, _verbosity(opts.verbose)
+        self.auto = opts.steps_per_jit == "auto" and jax.process_count() == 1  # (see tune)
+        self.said = opts.steps_per_jit == "auto"  # (broken groups: auto's are its own, unsaid)
+        self.k = 1 if opts.steps_per_jit == "auto" else opts.steps_per_jit
+        self.stop, self.total, self.unroll, self.train_k = opts.max_steps, total, None, None
+        self.periods = [p for p in (opts.log_every, opts.eval_every, opts.ckpt_every) if p]
+        self.mark, self.timed = None, {}  # (tune's: where its window began; {k: s a step})
+
+    def steps_at(self, step):
+        """The steps of a call that starts at `step`: k at multiples of k (so a resume groups
+        alike), not past max_steps, else 1."""
+        k = self.k
+        return k if k > 1 and step % k == 0 and not (self.stop and step + k > self.stop) else 1
+
+    def broken(self, step):
+        """A run of k batches whose shapes change at `step`: its batches run alone (said once)."""
+        if not self.said:
+            warnings.warn(f"fit: steps_per_jit={self.k} stacks runs of {self.k} batches of one "
+                          f"shape, but the shapes changed within one at step {step}, whose "
+                          f"batches run singly; order the data in runs of {self.k}.")
+            self.said = True
 
     def __call__(self, state, batch, k, *, epoch=0, position=(0, None)):
-        """Step n (or k steps) on `batch`; a new shape that fails is named, with where it is."""
-        self.clock.fetched()
+        """Step n (or k steps) on `batch`; a new shape compiles first (`_compile`)."""
+        started = time.perf_counter()  # (the host's wait for the batch ends)
         shape = (k, *(a.shape for a in jax.tree.leaves(batch)))
         if shape != self.shape:  # (length buckets: a new shape)
             self.shape = shape
             self.changes.append((self.fed, shape))
         self.fed, self.calls = self.fed + k, self.calls + 1
-        train = self.steps.train if k == 1 else self.steps.train_k
         if cost := self.compiled.get(shape):  # (rows, FLOPs per device) of a call of this shape
+            train = self.steps.train if k == 1 else self.train_k
             state, self.acc = train(state, self.acc, batch, self.steps.frozen)
-            self.clock.ran(k, *cost)
         else:  # one wait per new shape, so compile time is kept out of the rate
-            try:
-                with self.clock.timed("compile", k):
-                    state = self._compile(train, state, batch, shape)
-            except Exception as e:
-                if not self.compiled:  # (the first batch: the trace's own checks explain it)
-                    raise
-                first = next(iter(self.compiled))
-                raise ValueError(f"fit: the train step failed on the batch of shapes {shape[1:]}"
-                                 f" (epoch {epoch + 1}, batch {position[0] - k}), which differ "
-                                 f"from the first batch's {first[1:]}: does the model take inputs "
-                                 f"of that shape? ({type(e).__name__}: "
-                                 f"{str(e).splitlines()[0][:300]})") from e
-        self.inflight.append(self.acc["count"])
-        if len(self.inflight) > _AHEAD:  # no queue of batches (and, measured, a faster host)
-            self.inflight.popleft().block_until_ready()
-        self.clock.ready()
+            state = self._compile(state, batch, shape, (epoch, position))
+        if self.calls % _AHEAD == 0:  # no queue of batches (and, measured, a faster host)
+            t = time.perf_counter()
+            if self.marker is not None:  # the call _AHEAD before, usually long done
+                self.marker.block_until_ready()
+            self.waited, self.marker = self.waited + time.perf_counter() - t, self.acc["count"]
+        if cost:
+            self.clock.ran(k, *cost, started)
         return state
 
-    def _compile(self, train, state, batch, shape):
+    def _compile(self, state, batch, shape, where):
         """A new shape's call, compiled ahead to read XLA's estimates (the call reuses the
-        executable); the first shape's with the check before saves beside it (`_compile_check`)."""
+        executable); the first shape's with the check before saves beside it (`_compile_check`),
+        and whether k-step calls unroll (`_unrolled`). A failure on a later shape is named."""
+        k, frozen = shape[0], self.steps.frozen
         if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
             _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build it "
                                "with optax.inject_hyperparams(...), or pass lr_fn=.")
-        check, frozen = None if self.compiled else self._compile_check(state), self.steps.frozen
-        accum = not self.compiled and self.steps.accum_check  # (once a call: grad_accum's loss)
-        accum = accum and accum(state, jax.tree.map(lambda a: a[0], batch) if shape[0] > 1 else
-                                batch, frozen)  # (its compile beside the step's)
-        executable = train.lower(state, self.acc, batch, frozen).compile()
-        if accum:
-            accum()  # before the first update, which donates the state
-        self.compiled[shape] = self._analyse(executable, shape)  # (the first shape comes first)
-        state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
-        if check:
-            check.join()
-        if len(self.compiled) == _MANY_SHAPES:
+        try:
+            with self.clock.timed("compile", k):
+                check = None if self.compiled else self._compile_check(state)
+                accum = not self.compiled and self.steps.accum_check  # (once: grad_accum's loss)
+                accum = accum and accum(state, jax.tree.map(lambda a: a[0], batch) if k > 1 else
+                                        batch, frozen)  # (its compile beside the step's)
+                if self.unroll is None:  # (the single step's program, as it is traced once)
+                    one = batch if k == 1 else jax.tree.map(
+                        lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), batch)
+                    self.unroll = _unrolled(self.steps.train.lower(state, self.acc, one, frozen))
+                    self.train_k = self.steps.train_k(self.unroll)
+                train = self.steps.train if k == 1 else self.train_k
+                executable = train.lower(state, self.acc, batch, frozen).compile()
+                if accum:
+                    accum()  # before the first update, which donates the state
+                self.compiled[shape] = self._analyse(executable, shape)  # (the first comes first)
+                state, self.acc = jax.block_until_ready(train(state, self.acc, batch, frozen))
+                if check:
+                    check.join()
+        except Exception as e:
+            if not self.compiled or shape in self.compiled:  # (the first batch: the trace's
+                raise  # own checks explain it)
+            (epoch, position), first = where, next(iter(self.compiled))
+            raise ValueError(f"fit: the train step failed on the batch of shapes {shape[1:]}"
+                             f" (epoch {epoch + 1}, batch {position[0] - k}), which differ "
+                             f"from the first batch's {first[1:]}: does the model take inputs "
+                             f"of that shape? ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:300]})") from e
+        if k == 1 and sum(s[0] == 1 for s in self.compiled) == _MANY_SHAPES:  # (batch shapes)
             warnings.warn(f"fit: train batches have come in {_MANY_SHAPES} shapes so far, and "
                           f"each new shape compiles the step again; pad them to a few lengths "
                           f"(buckets) instead.")
         return state
+
+    def tune(self, step):
+        """steps_per_jit="auto", at log points: the steady time a step over whole log intervals
+        (at least _WINDOW s) of single steps, then, where `_steps_per_call` says k > 1, of k-step
+        calls (their compile left out); the faster stays. Said once; in `timing`."""
+        if not (self.auto and self.compiled):
+            return
+        jax.block_until_ready(self.acc)  # (the interval's steps have run: its time is theirs)
+        now = (step, self.clock.steady_seconds(), self.waited)
+        steps, seconds, waited = (b - a for a, b in zip(self.mark or now, now))
+        self.mark = self.mark or now  # (the window begins at the first log point)
+        if not steps or seconds < _WINDOW:
+            return
+        self.mark, self.timed[self.k] = now, seconds / steps
+        k = _steps_per_call(self.timed, waited / seconds, self.clock.spent["compile"][0],
+                            self.total and self.total - step, self.periods, unroll=self.unroll)
+        if len(self.timed) == 1 and k > 1:  # (k-step calls to be timed in turn)
+            self.k = k
+            return
+        timed = {k: round(1e6 * t, 2) for k, t in self.timed.items()}  # (us a step)
+        self.auto, self.k, self.clock.chosen = False, k, {"steps_per_jit": k,
+                                                          "steps_per_jit_us": timed}
+        _say(self.verbose, f"fit: steps_per_jit='auto': {k} step(s) a call from step {step} "
+                           f"(measured, us a step by steps a call: {timed}).")
 
     def _compile_check(self, state):
         """The check before saves (`param_norm`), compiling in a thread beside the first step's
@@ -2990,12 +3083,12 @@ class _Dispatch:
     def _analyse(self, compiled, shape):
         """A call's rows (all processes') and FLOPs per device, from XLA's cost analysis of its
         executable, which counts a rolled loop's body once (grad_accum's scan; steps_per_jit's
-        off the CPU); the first shape's memory estimate is said before its step runs."""
+        unless unrolled); the first shape's memory estimate is said before its step runs."""
         k = shape[0]
         rows = shape[1][k > 1] * k
         cost = compiled.cost_analysis()
         cost = (cost[0] if isinstance(cost, list) else cost) or {}
-        flops = cost.get("flops", 0.0) * (1 if k == 1 or _unrolled() else k) * self.grad_accum
+        flops = cost.get("flops", 0.0) * (1 if k == 1 or self.unroll else k) * self.grad_accum
         memory, estimate = compiled.memory_analysis(), self.clock.estimate
         if memory is not None:
             new = {f"step_{part}_bytes": getattr(memory, f"{part}_size_in_bytes")
@@ -3009,11 +3102,6 @@ class _Dispatch:
                                    f" per device ({parts}: XLA's estimate).")
             estimate.update({key: max(v, estimate[key] or 0) for key, v in new.items()})
         return rows, flops
-
-    def take(self):
-        """The sums of the calls since the last `take`, and the calls made; the sums start anew."""
-        acc, self.acc = self.acc, self.steps.acc0
-        return acc, self.calls
 
     def agree_shapes(self, step):
         """Every process fed batches of the same shapes since the last log point (_check_data)."""
@@ -3047,11 +3135,12 @@ class _Readings:
         if log_due or sync:
             if jax.process_count() > 1:
                 self.dispatch.agree_shapes(step)
-            acc, calls = self.dispatch.take()
+            d = self.dispatch  # (its sums since the last log point, taken: they start anew)
+            acc, calls, d.acc = d.acc, d.calls, self.steps.acc0
             (ready if sync else self.pending).append((acc, step, log_due, calls))
         logged = []
         for acc, at, log, _ in ready:
-            self._add(jax.device_get(acc), at)
+            self._add(jax.tree.map(np.asarray, acc), at)  # (device_get: ~0.1 ms more on CPU)
             logged += self._interval(at) if log else []
         return logged
 
@@ -3148,15 +3237,16 @@ class _Clock:
         self.estimate = dict.fromkeys(("step_argument_bytes", "step_output_bytes",
                                        "step_temp_bytes"))
         self.devices = [d for d in jax.local_devices() if d.memory_stats() is not None]
+        # steps_per_jit's k (`_Dispatch.tune`: "auto"'s choice, and the us a step it measured)
+        self.chosen = {"steps_per_jit": 1 if opts.steps_per_jit == "auto" else opts.steps_per_jit,
+                       "steps_per_jit_us": {}}
 
-    def fetched(self):  # (a batch fetched: the host's wait for data, since the last call)
-        self.spent["data"][0] += time.perf_counter() - self.t_ready
-
-    def ready(self):
-        self.t_ready = time.perf_counter()
-
-    def ran(self, k, rows, flops):  # (a steady call of k steps)
+    def ran(self, k, rows, flops, started):
+        """A steady call of k steps, `started` once the host had its batch (the wait for data:
+        since the last call's end)."""
+        self.spent["data"][0] += started - self.t_ready
         self.rows, self.flops, self.counted = self.rows + rows, self.flops + flops, self.counted + k
+        self.t_ready = time.perf_counter()
 
     def sums_read(self, steps, tokens):  # (the sums of `steps` read: their loss's weights)
         self.summed, self.tokens = self.summed + steps, self.tokens + tokens * self.weighted
@@ -3231,7 +3321,7 @@ class _Clock:
                 **{f"{k}_count": n for k, (_, n) in parts.items() if k != "data"},
                 "close_s": now - (self.t_end or now), "steps": step - self.first_step,
                 "steady_steps_per_s": rate, "wall_s": now - self.t0, **self.speed(rate),
-                **self.estimate}
+                **self.estimate, **self.chosen}
 
 
 class _Loop:
@@ -3247,6 +3337,8 @@ class _Loop:
         """A `log` event for each log point whose sums `_Readings.read` returns; at the loop's own
         log points (not `sync`), first the poll."""
         logged = self.readings.read(step, due, sync)
+        if due and not sync:  # (steps_per_jit="auto" times whole log intervals)
+            self.readings.dispatch.tune(step)
         save, stop = self.poll() if logged and not sync else (False, None)
         for at, metrics in logged:
             self.run.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
@@ -3335,7 +3427,7 @@ def _eval_set(steps, test, state, name=None, *, clock=None, python=None):
     with clock.timed("eval") if clock else contextlib.nullcontext():
         acc, step, sums = steps.eval0[name], steps.evals[name], steps.eval_sums[name]
         host, last = {}, {}
-        for batch, *_ in _prefetch(((b, p, 1) for b, p in test.epoch(0)), steps.put):
+        for batch, *_ in test.calls(0, put=steps.put):
             acc, out = step(state, acc, batch, steps.frozen)
             host, last = _merged(host, last), out  # (the batch before this one's)
         values = sums.read(jax.device_get(acc), _merged(host, last), f"the eval set {test.name}")

@@ -15,7 +15,9 @@ batches, fed as they are to both (the single-step pair only). The methods:
               `block_until_ready` at the end;
   hand_scan   a `lax.scan` of 10 steps per jitted call, fully unrolled (`unroll=True`);
   fit         `fit()` with its defaults: progress bar, TensorBoard, checkpoints every 300 s of
-              wall time and at the end (so one, at the end, in these short runs);
+              wall time and at the end (so one, at the end, in these short runs), and
+              steps_per_jit="auto" (#49; `history.timing["steps_per_jit"]` says what it chose;
+              the per-step scenario pins 1);
   fit_scan    `fit(..., steps_per_jit=10)`.
 
 For the BatchNorm + Dropout model the hand loops do the work of fit's default train step:
@@ -66,6 +68,16 @@ Before them a dispatch test (200 calls of a jitted step with and without a lax.c
 call takes to return against the wall time) and, with `--put-test`, the host's time to place one
 tiny-MLP batch each way. Writes accelerator.json and .md after every run (a run cut short by its
 time limit keeps what it did), and the XLA donation warnings the runs printed.
+
+The null-model table (#49; `--null`, alone: `python benchmarks/bench.py --null`, 5-10 min) times
+the host's work a step, on a model with almost no device work (Dense 8 -> 1, batch 8, Adam,
+arrays): each of hand, hand_scan (10 steps a call), fit (steps_per_jit=1), fit_scan (10),
+fit_auto (fit's defaults) and, where installed, Keras 3's fit on JAX (steps_per_execution 1 and
+10) is called for n and 2n steps (`--null-steps`, n = 40,000), each call its own process; a step
+costs (wall(2n) - wall(n)) / n, so compile, start-up and the final save cancel. It also reports
+the main thread's CPU time a step (the same difference) and the k fit_auto chose in each call
+(the two calls must agree, or the difference mixes two rates). Measure it on an idle machine.
+Writes null.json and null.md.
 
 Writes benchmarks/results/latest.json and latest.md (quick.json and quick.md with --quick). The
 machine's load average is recorded at the start and end: on a shared machine the spread of the
@@ -256,6 +268,8 @@ def worker(spec):
     import jax
     import optax
 
+    if spec["model"] == "null":  # #49's null model: the host's cost a step (`--null`)
+        return _null(spec)
     if spec["method"] in ("dispatch", "put"):
         out = (_dispatch if spec["method"] == "dispatch" else _put_test)(spec)
         out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -336,8 +350,7 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
                          eval_step=_eval_step if test else None, num_epochs=epochs,
                          batch_size=None if y is None else BATCHES.get(spec["model"], BATCH),
                          workdir=workdir,
-                         log_name="bench", hooks=[mark], **accum,
-                         steps_per_jit=spec["k"] if spec["method"] == "fit_scan" else 1)
+                         log_name="bench", hooks=[mark], **accum, **_steps_per_jit(spec))
     jax.block_until_ready(state)
     wall = time.perf_counter() - t0
     timing = dict(history.timing)
@@ -346,6 +359,15 @@ def _run_fit(spec, model, params, batch_stats, tx, x, y, test, epochs):
             "wall_s": wall, "steps": timing["steps"], **_cpu_per_step(marks),
             "save_ms": 1000 * timing["save_s"] / saves if saves else None,
             "eval": history.get("eval/accuracy"), "timing": timing}
+
+
+def _steps_per_jit(spec):
+    """fit_scan: steps_per_jit=k; the per-step scenario: 1 (the cost a step of fit's path, the same
+    rate in its short and long calls; #49's null-model table measures the defaults' grouping); the
+    rest: fit's default ("auto", #49; 1 before it)."""
+    if spec["method"] == "fit_scan":
+        return {"steps_per_jit": spec["k"]}
+    return {"steps_per_jit": 1} if spec["scenario"] == "diff" else {}
 
 
 def _run_hand(spec, model, params, batch_stats, tx, x, y, test, epochs):
@@ -431,6 +453,84 @@ def _run_hand(spec, model, params, batch_stats, tx, x, y, test, epochs):
             "compile_s": compile_s, "wall_s": t2 - t0, "steps": steps, "save_ms": None,
             **_cpu_per_step(marks),
             "eval": accuracies or None}
+
+
+NULL_BATCH = 8  # the null model's batch: Dense 8 -> 1 on 8 rows, Adam
+NULL_METHODS = ("hand", "hand_scan", "fit", "fit_scan", "fit_auto", "keras", "keras_scan")
+NULL_TARGETS = {"fit": ("hand", 0.8), "fit_scan": ("hand_scan", 0.8), "fit_auto": ("hand", 1.5)}
+
+
+def _null(spec):
+    """One call of `spec["steps"]` steps on #49's null model (Dense 8 -> 1, batch 8, Adam, MSE;
+    arrays of `spec["rows"]` rows, one epoch): its wall time and the main thread's CPU time, the
+    whole call (compile, start-up and the final save included: they cancel in the difference of
+    two calls). hand: a donating jitted step, a permutation per epoch, `x[idx]` per step;
+    hand_scan: its `lax.scan` of 10 steps a call, unrolled, `x[idx]` of 10 batches' rows; fit:
+    `steps_per_jit=1`, fit_scan: 10, fit_auto: fit's defaults ("auto"), each with its progress
+    bar (to the log), TensorBoard and checkpoints; keras / keras_scan: Keras 3's fit (JAX backend)
+    with steps_per_execution 1 / 10 (only where keras is installed)."""
+    import jax
+    import numpy as np
+    import optax
+    thread = lambda: sum(resource.getrusage(resource.RUSAGE_THREAD)[:2])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(spec["rows"], 8)).astype(np.float32)
+    y = rng.normal(size=(spec["rows"], 1)).astype(np.float32)
+    method, steps, n = spec["method"], spec["steps"], NULL_BATCH
+    out = {"steady_steps_per_s": None, "compile_s": 0.0}
+    if method.startswith("keras"):
+        import keras
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", jit_compile=True,
+                      steps_per_execution=K if method == "keras_scan" else 1)
+        t0, c0 = time.perf_counter(), thread()
+        model.fit(x[:steps * n], y[:steps * n], batch_size=n, epochs=1, shuffle=True, verbose=0)
+        return {**out, "wall_s": time.perf_counter() - t0, "cpu_s": thread() - c0}
+    import flax.linen as nn
+
+    class Null(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            return nn.Dense(1)(x)
+    model = Null()
+    params = jax.jit(model.init, static_argnames="train")(jax.random.key(0), x[:1], train=False)
+    loss_fn = lambda out, targets: ((out - targets) ** 2).mean()
+    if method.startswith("fit"):
+        sys.path.insert(0, spec["fit_dir"])
+        from fit import TrainState, fit
+        state = TrainState.create(apply_fn=model.apply, params=params["params"],
+                                  tx=optax.adam(1e-3))
+        k = {"fit": {"steps_per_jit": 1}, "fit_scan": {"steps_per_jit": K}}.get(method, {})
+        t0, c0 = time.perf_counter(), thread()
+        state, history = fit(state, (x, y), loss_fn=loss_fn, batch_size=n, max_steps=steps,
+                             workdir=spec["workdir"], log_name="null", **k)
+        jax.block_until_ready(state)
+        timing = {key: v for key, v in history.timing.items() if key.startswith("steps_per_jit")}
+        return {**out, "wall_s": time.perf_counter() - t0, "cpu_s": thread() - c0, **timing}
+    from flax.training import train_state
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params["params"],
+                                          tx=optax.adam(1e-3))
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(
+            state.apply_fn({"params": p}, batch[0], train=True), batch[1]))(state.params)
+        return state.apply_gradients(grads=grads), loss
+    k = K if method == "hand_scan" else 1
+    call = jax.jit(step if k == 1 else lambda state, batches: jax.lax.scan(
+        step, state, batches, unroll=True), donate_argnums=0)
+    t0, c0 = time.perf_counter(), thread()
+    done, epoch = 0, 0
+    while done < steps:
+        order = np.random.default_rng([0, epoch]).permutation(len(x))
+        for i in range(0, min(len(x) // n, steps - done) // k * k, k):
+            idx = order[i * n:(i + k) * n]
+            batch = (x[idx], y[idx]) if k == 1 else (x[idx].reshape(k, n, 8),
+                                                      y[idx].reshape(k, n, 1))
+            state, loss = call(state, batch)
+            done += k
+        epoch += 1
+    jax.block_until_ready(state)
+    return {**out, "wall_s": time.perf_counter() - t0, "cpu_s": thread() - c0}
 
 
 def _dispatch(spec):
@@ -525,7 +625,7 @@ def run_one(spec, log_dir):
     workdir = tempfile.mkdtemp(prefix=f"fitbench-{spec['model']}-{spec['method']}-")
     spec = dict(spec, workdir=workdir)
     out_path = os.path.join(workdir, "result.json")
-    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), KERAS_BACKEND="jax",
                TF_CPP_MIN_LOG_LEVEL="2")
     log_path = os.path.join(log_dir, f"{spec['scenario']}-{spec['model']}-{spec['method']}-"
                                      f"{'-'.join(spec.get('ablate') or [])}-{spec.get('data')}-"
@@ -648,6 +748,15 @@ def main(argv=None):
     parser.add_argument("--fit", default=os.path.join(ROOT, "fit.py"),
                         help="the fit.py to measure (default: the repo's); it is copied when the "
                              "benchmark starts, so edits during a run do not mix versions")
+    parser.add_argument("--null", action="store_true",
+                        help="#49's null-model table alone (Dense 8 -> 1, batch 8, Adam): the host's "
+                             "cost a step, differential (a call of 2n steps minus one of n), for "
+                             "hand, hand_scan, fit (steps_per_jit=1), fit_scan (10), fit_auto (the "
+                             "defaults) and Keras 3 (JAX) if installed; writes null.json and null.md")
+    parser.add_argument("--null-steps", type=int, default=40000,
+                        help="with --null: n, the short call's steps (the long call runs 2n)")
+    parser.add_argument("--null-methods", default=",".join(NULL_METHODS),
+                        help="with --null: which of them (Keras' only if installed)")
     parser.add_argument("--accelerator", action="store_true",
                         help="#28's table for a GPU (any backend runs it): the dispatch test, then "
                              "per model hand, fit and fit_cond (fit with the log steps' norms "
@@ -763,6 +872,9 @@ def main(argv=None):
     if args.accelerator:
         _accelerator(args, models, repeats, k, fit_dir, log_dir, info, measure, runs)
         return
+    if args.null:
+        _null_table(args, repeats, fit_dir, log_dir, info, runs)
+        return
 
     # 1. Steady rate, compile time, saves and RSS: per model, pairs alternate within a repeat.
     for model in models:
@@ -845,6 +957,91 @@ def main(argv=None):
     shutil.rmtree(log_dir, ignore_errors=True)
     print(f"bench: wrote {os.path.join(args.out, stem + '.json')} and {stem}.md in "
           f"{info['bench_s']:.0f} s", flush=True)
+
+
+def _null_table(args, repeats, fit_dir, log_dir, info, runs):
+    """#49: per repeat, each method (in a rotating order) called for n and 2n steps, each call a
+    fresh process; a method's cost a step is (wall(2n) - wall(n)) / n, so compile, start-up and
+    the final save cancel. Ratios are the median [min-max] of within-repeat ratios."""
+    import importlib.util
+    n, methods = args.null_steps, [m for m in args.null_methods.split(",") if m and (
+        not m.startswith("keras") or importlib.util.find_spec("keras") is not None)]
+    for r in range(repeats):
+        for method in methods[r % len(methods):] + methods[:r % len(methods)]:
+            for steps in (n, 2 * n):
+                spec = {"scenario": "null", "model": "null", "method": method, "repeat": r,
+                        "steps": steps, "rows": 2 * n * NULL_BATCH, "fit_dir": fit_dir}
+                t = time.perf_counter()
+                result = run_one(spec, log_dir)
+                runs.append({**spec, **result})
+                print(f"  null {method:10s} {steps:6d} steps, repeat {r + 1}/{repeats}: wall "
+                      f"{result['wall_s']:.2f} s (process {time.perf_counter() - t:.0f} s)"
+                      + (f", k {result['steps_per_jit']}" if "steps_per_jit" in result else ""),
+                      flush=True)
+    info["loadavg_end"] = os.getloadavg()
+    report = null_report(runs, methods, repeats, n, info, vars(args))
+    for ext, text in (("json", json.dumps(report, indent=1)), ("md", null_markdown(report))):
+        with open(os.path.join(args.out, f"null.{ext}"), "w") as f:
+            f.write(text)
+    print("\n" + null_markdown(report), flush=True)
+
+
+def null_report(runs, methods, repeats, n, info, args):
+    """Per method and repeat: seconds and host CPU seconds a step (differential); per method the
+    median steps/s [min-max] and its ratio to its baseline (hand; fit_scan: hand_scan)."""
+    def cost(method, rep, key):
+        calls = {r["steps"]: r for r in runs if r["method"] == method and r["repeat"] == rep}
+        return (calls[2 * n][key] - calls[n][key]) / n if len(calls) == 2 else None
+
+    def spread(values):
+        values = [v for v in values if v]
+        return [median(values), min(values), max(values)] if values else None
+    table = {}
+    for m in methods:
+        base = NULL_TARGETS.get(m, ("hand",))[0]
+        base = base if base in methods else m
+        per = [cost(m, rep, "wall_s") for rep in range(repeats)]
+        table[m] = {"steps_per_s": spread([1 / c for c in per if c]),
+                    "host_us_per_step": median([1e6 * c for c in (cost(m, rep, "cpu_s")
+                                                                for rep in range(repeats)) if c]),
+                    "ratio": spread([ratio(cost(base, rep, "wall_s"), c) for rep, c in
+                                     enumerate(per) if c]), "baseline": base,
+                    "target": NULL_TARGETS.get(m, (None, None))[1],
+                    "steps_per_jit": sorted({r.get("steps_per_jit") for r in runs
+                                             if r["method"] == m and "steps_per_jit" in r})}
+    return {"machine": info, "args": {k: v for k, v in args.items() if not k.startswith("worker")},
+            "n": n, "repeats": repeats, "methods": table, "runs": runs}
+
+
+def null_markdown(report):
+    info, rows = report["machine"], report["methods"]
+    labels = {"hand": "hand-written jitted loop, donating, one call a step",
+              "hand_scan": f"the hand loop's `lax.scan` of {K} steps a call (unrolled)",
+              "fit": "fit, `steps_per_jit=1`", "fit_scan": f"fit, `steps_per_jit={K}`",
+              "fit_auto": "fit, its defaults (`steps_per_jit=\"auto\"`)",
+              "keras": "Keras 3 fit, JAX backend, steps_per_execution 1",
+              "keras_scan": f"Keras 3 fit, JAX backend, steps_per_execution {K}"}
+    cell = lambda v, d: "–" if not v else f"{v[0]:,.{d}f} [{v[1]:,.{d}f}–{v[2]:,.{d}f}]"
+    lines = ["# fit.py: the null model (#49)", "",
+             f"- date: {info['date']}; jax {info['jax']}, flax {info['flax']}, optax {info['optax']}; "
+             f"fit.py {info['fit']}",
+             f"- {info['cpu_count']} CPUs ({info['processor']}); load average (1 min) at start / "
+             f"end: {info['loadavg_start'][0]:.2f} / {info['loadavg_end'][0]:.2f} (measure on an "
+             f"idle machine: with other work on the cores the ratios mean little)",
+             f"- Dense 8 -> 1, batch {NULL_BATCH}, Adam, arrays `(x, y)`; each method called for "
+             f"n = {report['n']:,} and 2n steps, each call its own process; a step's cost = "
+             f"(wall(2n) - wall(n)) / n; median of {report['repeats']} repeats [min-max]; ratios "
+             f"within a repeat, to the hand loop (fit's k={K}: to the hand scan)", "",
+             "| loop | steps/s | vs its baseline (target) | host CPU us a step | k chosen |",
+             "|---|---|---|---|---|"]
+    for m, v in rows.items():
+        target = (f" {verdict(v['ratio'][0], v['target'], True)} (>= {v['target']})"
+                  if v["target"] and v["ratio"] else "")
+        lines.append(f"| {labels[m]} | {cell(v['steps_per_s'], 0)} | "
+                     f"{cell(v['ratio'], 2)}x of {v['baseline']}{target} | "
+                     f"{_f(v['host_us_per_step'], 1)} | "
+                     f"{', '.join(map(str, v['steps_per_jit'])) or '–'} |")
+    return "\n".join(lines) + "\n"
 
 
 def _accelerator(args, models, repeats, k, fit_dir, log_dir, info, measure, runs):

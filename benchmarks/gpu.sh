@@ -12,7 +12,8 @@
 # then run `bash benchmarks/gpu.sh` there with carry [".whl"]. It smoke-tests a tiny fit() on
 # the image's own flax, optax and orbax; if that fails, on the versions requirements.txt pins
 # (.whl/pin); then runs `bench.py --accelerator` (the dispatch test, then hand, fit, fit_cond
-# and fit_before). Everything lands in $OUT.
+# and fit_before); with NULL=1, first the null-model table of #49 (`bench.py --null`). Everything
+# lands in $OUT.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
@@ -57,6 +58,10 @@ else
     echo "versions: flax, optax and orbax pinned as requirements.txt (.whl/pin)" | tee -a "$OUT/gpu.txt"
 fi
 tail -n 1 "$OUT"/smoke*.log
+if [ -n "${NULL:-}" ]; then  # #49: NULL=1 runs the null-model table first (`bench.py --null`)
+    timeout "${NULL_TIMEOUT:-240}" $py benchmarks/bench.py --null --repeats 3 --null-steps \
+        "${NULL_STEPS:-10000}" --out "$OUT" 2>&1 | tee "$OUT/null.log" | grep -v "^  null"
+fi
 timeout "${BENCH_TIMEOUT:-360}" $py benchmarks/bench.py --accelerator --repeats 3 \
     --before .whl/fit_b603621.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v "^  accel"
 rc=${PIPESTATUS[0]}
