@@ -245,7 +245,8 @@ class Options:
         it with `step.grads`, `step.updates` (the params' change), `step.state` (after the
         update) and `step.batch`; each value is logged as `train/<name>`: a scalar as the
         interval's mean, a `Total` as the run's running total, and one named `grad_norm/...` or
-        `param_norm/...` (a layer's) as its log step's value. None: nothing added to the step.
+        `param_norm/...` (a layer's) as its log step's value (with `axis_name`: a Total summed
+        over the devices, the rest averaged). None: nothing added to the step.
     optimizer: an nnx model's `nnx.Optimizer` (or an object with `tx`, `opt_state`, `step`, `wrt`).
     nnx_loss_fn: `(model, batch, rngs) -> loss or (loss, metrics)`, instead of `loss_fn`, for an
         nnx model called its own way; `rngs` is an `nnx.Rngs` of the step's key.
@@ -274,6 +275,8 @@ class Options:
         (afresh if it saved nothing); a run's name, e.g. `"mnist_3"`: that run. See fit.
     hparams: a dict for TensorBoard's HParams tab, beside the plain options and derived values.
     seed=0: fills `state.rng` if None, shuffles arrays from `(seed, epoch)`; checked on resume.
+    shuffle=True: arrays' train rows in a new order each epoch; False: in order (other data
+        come as given). Checked on resume, as the seed.
     lr_fn: `lr_fn(step) -> learning rate`, to log the rate without `optax.inject_hyperparams`.
     steps_per_jit="auto": k steps per compiled call, over groups of k batches of one shape starting
         at multiples of k, where logs, evals, saves and stops then fall; other batches run singly.
@@ -333,6 +336,7 @@ class Options:
     resume: bool | str = False
     hparams: dict | None = None
     seed: int = dataclasses.field(default=0, metadata=_TRACED)
+    shuffle: bool = True
     lr_fn: Callable[[Any], Any] | None = dataclasses.field(default=None, metadata=_TRACED)
     steps_per_jit: int | str = "auto"
     grad_accum: int = dataclasses.field(default=1, metadata=_TRACED)
@@ -383,7 +387,7 @@ class Options:
         "batch_axes": (ValueError, lambda v: isinstance(v, (tuple, list)) and v and all(
             isinstance(a, str) for a in v) and len(set(v)) == len(v), "a tuple of mesh axis names, "
                        "e.g. ('data',) or ('data', 'fsdp')"),
-        **dict.fromkeys(("tensorboard", "ema_eval", "save_frozen"), (TypeError, lambda v:
+        **dict.fromkeys(("tensorboard", "ema_eval", "save_frozen", "shuffle"), (TypeError, lambda v:
                                                                      isinstance(v, bool),
                                                       "True or False")),
         "workdir": (ValueError, lambda v: isinstance(v, (str, os.PathLike)) and (not _is_url(
@@ -490,9 +494,10 @@ def fit(state: Any, train_ds: Any, test_ds: Any = None, **options: Any) -> tuple
     builtin = ([ProgressBar(verbose)] if verbose else []) + (
         [TensorBoard(hparams)] if opts.tensorboard and jax.process_index() == 0 else [])
     start = int(jax.device_get(state.step))  # (a loaded state's: the run counts epochs from it)
+    # (filled from the checkpoint if the run goes on; a run with nothing to do claims nothing)
     progress = _Progress(target=(opts.num_epochs, opts.max_steps), seed=opts.seed, start=start,
-                         batching=batching, options=_jsonable(hparams))  # (filled from the
-    fresh_work = not plan.done(0, start)  # checkpoint if the run goes on; else: claim nothing)
+                         batching=batching, options=_jsonable(hparams))
+    fresh_work = not plan.done(0, start)
     ckpts = _Checkpoints(opts, _Best(plan, opts.max_to_keep), progress, fresh_work, frozen)
     # Held from here on (closed on any exit); a resume's steps read its checkpoint's frozen base.
     state, steps = ckpts.restore(state), steps._replace(frozen=ckpts.frozen)
@@ -591,20 +596,20 @@ def _load(state, ckpt_dir, step, *, weights_only, ema, frozen=None):
         raise FileNotFoundError(f"load_ckpt: no checkpoint directory at {ckpt_dir}.")
     mgr = _open(ckpt_dir, ocp.CheckpointManagerOptions(create=False))
     try:
-        steps = mgr.all_steps()
-        if not steps:
+        saved = mgr.all_steps()
+        if not saved:
             raise FileNotFoundError(f"load_ckpt: {ckpt_dir} holds no complete checkpoint.")
         if step == "best":  # the best step that the latest checkpoint knows of
-            step = _meta(mgr, max(steps), "load_ckpt")["best_step"]
+            step = _meta(mgr, max(saved), "load_ckpt")["best_step"]
             if step is None:
                 raise ValueError(f"load_ckpt: {ckpt_dir} has no best checkpoint: its run kept "
                                  f"none (no eval set and no monitor=, or no value yet); pass "
                                  f"'last' or a step, or keep a best with fit(..., monitor="
                                  f"'train/loss').")
-        step = max(steps) if step in (None, "last") else step
-        if step not in steps:
+        step = max(saved) if step in (None, "last") else step
+        if step not in saved:
             raise ValueError(f"load_ckpt: step {step!r} is not in {ckpt_dir}; it holds steps "
-                             f"{sorted(steps)}: pass one of those, 'last' or 'best'.")
+                             f"{sorted(saved)}: pass one of those, 'last' or 'best'.")
         sharding = jax.tree.map(lambda x: getattr(x, "sharding", None), state)
         placed = _place_state(state, 0, _replicated(_default_mesh()))
         if all(isinstance(s, jax.sharding.Sharding) for s in jax.tree.leaves(sharding)):
@@ -800,8 +805,9 @@ class TensorBoard:
             events.add_event = events._ev_writer.write_event
             events.add_event(Event(step=purge, file_version="brain.Event:2"))
             events.add_event(Event(step=purge, session_log=SessionLog(status=SessionLog.START)))
-            if not run.resumed:  # once a run, so a crashed run shows them too; no experiment
-                # summary: with one per run, TensorBoard hides the other runs' columns
+            # Once a run, so a crashed run shows them too; no experiment summary: with one per
+            # run, TensorBoard hides the other runs' columns.
+            if not run.resumed:
                 self.writer.file_writer.add_summary(hparams_summaries(self.hparams, {})[1])
             if run.changed:  # (the HParams tab keeps the first call's values)
                 self.writer.add_text("options_changed", "\n".join(
@@ -1163,8 +1169,9 @@ def _putter(mesh, axes):
         if processes == 1:
             return jax.device_put(batch, sharding)
         if not (splits or held):  # every device needs the whole global batch: gather all rows
-            batch = jax.tree.map(lambda a: np.concatenate(a, axis=int(stacked)),  # (a host round
-                                 multihost_utils.process_allgather(batch))  # trip, once an epoch)
+            # (a host round trip, once an epoch)
+            batch = jax.tree.map(lambda a: np.concatenate(a, axis=int(stacked)),
+                                 multihost_utils.process_allgather(batch))
         return jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), batch)
     return put
 
@@ -1172,7 +1179,7 @@ def _putter(mesh, axes):
 _replicated = lambda mesh: NamedSharding(mesh, P())
 
 
-# -- Data: batches and their positions for a resume; steps_per_jit's groups; prefetch --------------
+# -- Data: batches and their positions for a resume; steps_per_jit's groups; put ahead -------------
 
 def _eval_sets(ds, who, opts, mesh=None):
     """The eval data as `{name: _Data}`: a dict's named sets, or one set named None; each capped
@@ -1209,7 +1216,7 @@ class _Data:
     exactly for arrays, re-iterables, grain-style iterators and deterministic one-shot streams."""
 
     def __init__(self, ds, name, opts, train, eval_steps=None, *, mesh=None):
-        self.name, self.train_set, self.seed = name, train, opts.seed
+        self.name, self.train_set, self.seed = name, train, opts.seed if opts.shuffle else None
         # (this process's share of a global batch: `_share`; all of it without a mesh)
         self.share = _share(mesh, _batch_axes(opts)) if mesh else (0, 1)
         self.keys = opts.batch_keys  # (custom functions take batches as they come)
@@ -1273,7 +1280,7 @@ class _Data:
         (a group's), sorted within each batch (a memory-mapped file is read in order); the last
         batch, if smaller and not split evenly over the processes, whole (`_Whole`)."""
         order = np.arange(len(self.x))
-        if self.train_set:  # (the train set is shuffled each epoch: the same on every process)
+        if self.train_set and self.seed is not None:  # (shuffled each epoch: alike everywhere)
             order = np.random.default_rng([self.seed, epoch]).permutation(order)
         (p, processes), n = self.share, self.global_batch
         full = min(len(order) // n, self.length)  # (full batches: one sort of all, an epoch)
@@ -1503,7 +1510,11 @@ def _default_train_step(config):
         if config.step_metrics:  # (the user's own quantities: what the step has)
             updates = jax.tree.map(jnp.subtract, new_state.params, state.params)
             view = _StepView(grads, updates, _parted(new_state), batch)
-            metrics = {**metrics, **_as_dict(config.step_metrics(view), "step_metrics")}
+            extra = _as_dict(config.step_metrics(view), "step_metrics")
+            if config.axis_name:  # (each device sees its rows: a Total's sum, others' mean)
+                extra = {k: Total(jax.lax.psum(v.value, config.axis_name)) if isinstance(
+                    v, Total) else jax.lax.pmean(v, config.axis_name) for k, v in extra.items()}
+            metrics = {**metrics, **extra}
         return new_state, {**metrics, "grad_norm": _log_norm(state, config, grads)}
     return train_step
 
@@ -1610,25 +1621,29 @@ def _gathered_forward(config):
         d = config.shards if rows % config.shards == 0 else 1  # (as _accumulate's microbatches)
         k = max(j for j in range(1, config.grad_accum + 1) if rows % (d * j) == 0)
         split = lambda a: jnp.swapaxes(a.reshape(d, k, rows // (d * k), *a.shape[1:]), 0, 1)
-        has_stats = hasattr(state, "batch_stats")
+        has_stats, stats = hasattr(state, "batch_stats"), getattr(state, "batch_stats", {})
+        # A frozen base is closed over, not carried: the backward would keep a copy a microbatch.
+        base = stats.base if isinstance(stats, _WithBase) else None
+        joined = lambda stats: stats if base is None else _WithBase(stats, base)
 
         @jax.checkpoint  # (kept for the backward: the inputs; the activations are recomputed)
         def outputs_of(params, stats, part, j):  # -> (outputs, stats) of microbatch j
             part = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), part)
             key = rng if k == 1 else jax.random.fold_in(rng, j)
-            here = state.replace(batch_stats=stats) if has_stats else state
-            return forward(_itself, here, params, part, key, train=True)
+            here = state.replace(batch_stats=joined(stats)) if has_stats else state
+            outputs, stats = forward(_itself, here, params, part, key, train=True)
+            return outputs, stats if base is None else stats.rest
 
         def micro(stats, xs):
             outputs, stats = outputs_of(params, stats, *xs)
             return stats, outputs
-        stats, outputs = jax.lax.scan(micro, getattr(state, "batch_stats", {}), (
+        stats, outputs = jax.lax.scan(micro, stats if base is None else stats.rest, (
             jax.tree.map(split, batch), jnp.arange(k)))
         whole = jax.eval_shape(lambda: forward(_itself, state, params, batch, rng, train=True)[0])
         _check_outputs(outputs, whole, rows // k)
         join = lambda a, w: a.mean(0).astype(a.dtype) if a.shape[1:] == w.shape else \
             jnp.swapaxes(a.reshape(k, d, -1, *a.shape[2:]), 0, 1).reshape(w.shape)
-        return loss_fn(jax.tree.map(join, outputs, whole), batch[1]), stats
+        return loss_fn(jax.tree.map(join, outputs, whole), batch[1]), joined(stats)
     return gathered
 
 
@@ -1696,6 +1711,10 @@ def _split_loss(out, who):
                             f"got an array of shape {loss.shape} and dtype {loss.dtype}; reduce "
                             f"it with .mean().")
     if isinstance(metrics, collections.abc.Mapping):
+        if totals := [k for k, m in metrics.items() if isinstance(m, Total)]:
+            raise TypeError(f"fit: {who}'s metric {totals[0]!r} is a fit.Total; a Total comes "
+                            f"from step_metrics=fn(step), which sees the whole step's batch "
+                            f"(step.batch) once, not each microbatch's or device's share.")
         return loss, dict(metrics)
     if getattr(metrics, "ndim", 0) < 1:  # (a scalar: a metric that wants a name)
         got = f"a scalar {metrics.dtype}" if hasattr(metrics, "dtype") else type(metrics).__name__
@@ -1788,25 +1807,25 @@ class _TrainSums:
     def add(self, acc, values, norms, lr, *, finite, kept, at_log, step):
         """Traced: a step's [2, n] totals and weights `values`, its norms (kept at a log step),
         its lrs (None: none known), whether it was `finite` and `kept` (summed)."""
-        (steps, n_bad, first_bad), sums = acc["count"], acc["sums"]
+        (counted, n_bad, first_bad), sums = acc["count"], acc["sums"]
         totals, weights, old_norms, old_lr = (sums[self.parts[k]] for k in self.parts)
         lr = old_lr if lr is None else jnp.reshape(lr, -1).astype(jnp.float32)
         first_bad = jnp.where((n_bad == 0) & ~finite, step.astype(jnp.int32), first_bad)
-        count = jnp.stack([steps + kept, n_bad + ~finite, first_bad])
+        count = jnp.stack([counted + kept, n_bad + ~finite, first_bad])
         # (1: set; not by a dropped step, whose norms are not those of the parameters kept)
         norms = jnp.where(at_log & kept, jnp.append(norms, 1.0), old_norms)
         sums = jnp.concatenate([totals + values[0], weights + values[1], norms, lr])
         return {"sums": sums, "count": count.astype(jnp.int32)}
 
     def read(self, acc):
-        """On the host: `(steps, non-finite steps, the first, {name: [total, weight]}, the log
-        step's {norm: value} or None, {train/lr tag: value})`."""
+        """On the host: `(steps summed, non-finite steps, the first, {name: [total, weight]}, the
+        log step's {norm: value} or None, {train/lr tag: value})`."""
         sums = {k: acc["sums"][part].tolist() for k, part in self.parts.items()}
-        steps, n_bad, first_bad = (int(v) for v in acc["count"])
+        counted, n_bad, first_bad = (int(v) for v in acc["count"])
         values = {k: [t, w] for k, t, w in zip(self.names, sums["totals"], sums["weights"])}
         lrs = {f"train/lr/{k}".rstrip("/"): v for k, v in zip(self.lrs, sums["lrs"])}
         norms = dict(zip(self.norms, sums["norms"]))  # (its last: 1 once set)
-        return steps, n_bad, first_bad, values, sums["norms"][-1] and norms, lrs
+        return counted, n_bad, first_bad, values, sums["norms"][-1] and norms, lrs
 
 
 def _at_log(state, config):
@@ -1979,8 +1998,8 @@ def _new_steps(state, train_data, eval_data, config, mesh, *, frozen=None):
         lambda state, acc, batches, frozen=None: jax.lax.scan(
             lambda carry, b: (one(*carry, b, frozen), None), (state, acc), batches,
             unroll=unroll)[0], donate_argnums=0, out_shardings=placement))
-    eval_fns, eval_sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)  # (after:
-    # the train step's advice first)
+    # (after the train step: its advice comes first)
+    eval_fns, eval_sums = _jit_evals(_joined(state, frozen), eval_data, config, mesh)
     param_norm = jax.jit(_param_norm, out_shardings=replicated)  # (checked before every save)
     # grad_accum's default mode: whether the loss sums over rows, checked once at the first step.
     gap = config.grad_accum > 1 and config.grad_accum_mode == "losses" and not user_step and \
@@ -2273,7 +2292,7 @@ class _Progress:
     epoch: int = 0
     position: Any = (0, None)  # batches done in the epoch, the data iterator's state after them
     positions: Any = None      # each process's position (several processes), by process index
-    meter: Any = None          # the train metrics' sums (_Readings.sums)
+    meter: Any = None          # the train metrics' sums on the host (_Readings.meter)
     history: Any = dataclasses.field(default_factory=lambda: {"epoch": [], "step": []})
     best: Any = None           # the best monitored value, its step, the kept best values
     best_step: Any = None
@@ -2299,9 +2318,9 @@ class _Progress:
     def write(self):
         return _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
-    def check(self, run, seed, batching):
-        """Checks the seed (shuffles, keys) and batching against the run's (None: not known), and
-        the process count where each process's data loader has a position of its own."""
+    def check(self, run, seed, batching, shuffle):
+        """Checks the seed (shuffles, keys), shuffle and batching against the run's (None: not
+        known), and the process count where each process's data loader has a position of its own."""
         processes, positions = jax.process_count(), self.positions or [self.position]
         if len(positions) != processes and any(p and p[1] is not None for p in positions):
             raise ValueError(f"fit: run {run} was saved by {len(positions)} process(es), each at "
@@ -2311,6 +2330,9 @@ class _Progress:
         if self.seed is not None and self.seed != seed:
             raise ValueError(f"fit: run {run} was trained with seed={self.seed}; resume it with "
                              f"that seed, or start a fresh run.")
+        if (self.options or {}).get("shuffle", True) != shuffle:  # (the batches' order)
+            raise ValueError(f"fit: run {run} was trained with shuffle={not shuffle}; resume it "
+                             f"with that, or start a fresh run.")
         if any(a is not None and b is not None and a != b for a, b in zip(self.batching, batching)):
             n = self.batching[0]
             option = "" if n is None else f" (arrays (x, y): batch_size={n})"
@@ -2464,7 +2486,8 @@ class _Checkpoints:
             state, meta, self.frozen = _restore_all(self.mgr, self.latest, state, "fit",
                                                     frozen=self.frozen)
             prior = _Progress.read(meta)
-            prior.check(self.run, self.progress.seed, self.progress.batching)
+            prior.check(self.run, self.progress.seed, self.progress.batching,
+                        (self.progress.options or {}).get("shuffle", True))
             self.progress.go_on(prior)
         except BaseException:
             self.close()  # (the manager's threads and fit's log filter end with it)
@@ -2835,8 +2858,8 @@ class _Run:
         self.stopping = progress.stop  # (a hook's stop, for good: _Progress.go_on)
         self.stopped_early = self.interrupted = self.stop = self.save = False
         self.event = self.step = self.epoch = self.state = None
-        self.metrics, self.arrays, self.last_eval, self.clock = {}, {}, None, None  # (clock: set
-        # once it runs)
+        # (clock: set once the loop runs)
+        self.metrics, self.arrays, self.last_eval, self.clock = {}, {}, None, None
 
     best = property(lambda self: self.best_of.value)  # (the best monitored value so far)
 
@@ -3004,7 +3027,8 @@ class _Dispatch:
     def _compile(self, state, batch, shape, where):
         """A new shape's call, compiled ahead to read XLA's estimates (the call reuses the
         executable); the first shape's with the check before saves beside it (`_compile_check`),
-        and whether k-step calls unroll (`_unrolled`). A failure on a later shape is named."""
+        grad_accum's check (`_check_accum`), and whether k-step calls unroll (`_unrolled`). A
+        failure on a later shape is named (another shape; k steps where single ones ran)."""
         k, frozen = shape[0], self.steps.frozen
         if not (self.compiled or self.steps.train_sums.lrs):  # (said once a call)
             _say(self.verbose, "fit: no train/lr: the optimizer keeps no learning rate; build it "
@@ -3029,9 +3053,13 @@ class _Dispatch:
                 if check:
                     check.join()
         except Exception as e:
-            if not self.compiled or shape in self.compiled:  # (the first batch: the trace's
-                raise  # own checks explain it)
+            if not self.compiled or shape in self.compiled:  # (the first: its checks say why)
+                raise
             (epoch, position), first = where, next(iter(self.compiled))
+            if k > 1 and (1, *(s[1:] for s in shape[1:])) in self.compiled:  # (k of them ran)
+                raise ValueError(f"fit: the call of {k} steps (steps_per_jit) failed where single "
+                                 f"steps of these batches ran ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:300]}); pass steps_per_jit=1.") from e
             raise ValueError(f"fit: the train step failed on the batch of shapes {shape[1:]}"
                              f" (epoch {epoch + 1}, batch {position[0] - k}), which differ "
                              f"from the first batch's {first[1:]}: does the model take inputs "
@@ -3114,15 +3142,15 @@ class _Dispatch:
 class _Readings:
     """The train metrics on the host: the sums of the calls up to a log point, read `_LAG` calls
     later, when the device has finished them, so the host never waits; the means of the log
-    interval and the epoch, checkpointed (`sums`), so a resumed run logs what an uninterrupted one
-    would; the non-finite values they show, which raise."""
+    interval and the epoch (`meter`, checkpointed as `_Progress.meter`), so a resumed run logs
+    what an uninterrupted one would; the non-finite values they show, which raise."""
 
-    def __init__(self, dispatch, opts, sums, step):
+    def __init__(self, dispatch, opts, meter, step):
         self.dispatch, self.steps, self.clock = dispatch, dispatch.steps, dispatch.clock
         self.skipping, self.norms, self.lr, self.logged = opts.on_nonfinite == "skip", {}, {}, step
         # per part: [steps summed, {metric: sum}]; "skipped": non-finite steps dropped so far;
         # "run": each `Total`'s sum since the run began
-        self.sums = {"run": {}, **(sums or {"log": [0, {}], "epoch": [0, {}], "skipped": 0})}
+        self.meter = {"run": {}, **(meter or {"log": [0, {}], "epoch": [0, {}], "skipped": 0})}
         self.pending = collections.deque()  # log points to read: (sums, step, log?, calls)
 
     def read(self, step, log_due, sync=False):
@@ -3156,13 +3184,13 @@ class _Readings:
             grad, param = norms["grad_norm"], norms["param_norm"]
             self.check(step, param if math.isfinite(grad) else grad)
         self.clock.sums_read(n, values.get("loss", (0, 0))[1])
-        for part in (self.sums["log"], self.sums["epoch"]):
+        for part in (self.meter["log"], self.meter["epoch"]):
             part[0] += n
             part[1] = {k: [a + b for a, b in zip(part[1].get(k, (0, 0)), v)]
                        for k, v in values.items()}
-        self.sums["skipped"] += n_bad
+        self.meter["skipped"] += n_bad
         for k in self.steps.train_sums.totals:
-            self.sums["run"][k] = self.sums["run"].get(k, 0.0) + values[k][0]
+            self.meter["run"][k] = self.meter["run"].get(k, 0.0) + values[k][0]
         self.lr = lr
 
     def _interval(self, step):
@@ -3191,17 +3219,17 @@ class _Readings:
     def means(self, part, reset=True):
         """The means of a part's sums, which then start again (`reset`). An epoch whose every
         step was skipped as non-finite has NaN means; such a log interval has none."""
-        n, sums = self.sums[part]
+        n, sums = self.meter[part]
         if reset:
-            self.sums[part] = [0, {}]
+            self.meter[part] = [0, {}]
         sums = sums if n or part == "epoch" else {}
         where = "an epoch" if part == "epoch" else f"the log interval after step {self.logged}"
         means = {f"train/{k}": _mean(k, *v, "the train step", where) if n else math.nan
                  for k, v in sums.items()}
-        means |= {f"train/{k}": self.sums["run"][k] for k in self.steps.train_sums.totals
+        means |= {f"train/{k}": self.meter["run"][k] for k in self.steps.train_sums.totals
                   if f"train/{k}" in means}  # (a Total: the run's sum so far)
         if self.skipping:
-            means["train/skipped_steps"] = float(self.sums["skipped"])
+            means["train/skipped_steps"] = float(self.meter["skipped"])
         return means
 
 
@@ -3336,9 +3364,10 @@ class _Loop:
     def log(self, state, step, epoch, *, due=False, sync=False):
         """A `log` event for each log point whose sums `_Readings.read` returns; at the loop's own
         log points (not `sync`), first the poll."""
-        logged = self.readings.read(step, due, sync)
-        if due and not sync:  # (steps_per_jit="auto" times whole log intervals)
+        # steps_per_jit="auto" times whole log intervals, waiting for their sums: before `read`
+        if due and not sync:  # takes them
             self.readings.dispatch.tune(step)
+        logged = self.readings.read(step, due, sync)
         save, stop = self.poll() if logged and not sync else (False, None)
         for at, metrics in logged:
             self.run.call("log", state, at, epoch, metrics=metrics, save=save, stop=stop)
@@ -3379,8 +3408,8 @@ class _Loop:
         cut it)."""
         run = self.run
         self.log(state, step, epoch, due=True, sync=True)
-        row = self.readings.means("epoch", reset=complete)  # (a cut epoch's sums go on on
-        # resume)
+        # (a cut epoch's sums go on after a resume)
+        row = self.readings.means("epoch", reset=complete)
         run.record(row, ("epoch", epoch + 1), ("step", step))
         run.save = run.best_of.track(row, step) or run.save  # (a train/ monitor's)
         run.call("epoch_end", state, step, epoch, metrics=row)
@@ -3403,7 +3432,7 @@ class _Loop:
             best, value = run.best_of, run.best_of.rank(step)  # (first: the record holds it)
             position = position if position[0] else (0, None)
             self.ckpts.progress.saving(
-                epoch=epoch, position=position, positions=_gathered(position), meter=readings.sums,
+                epoch=epoch, position=position, positions=_gathered(position), meter=readings.meter,
                 history=run.history, best=best.value, best_step=best.step, top=best.top,
                 stop=None if run.stopping in _SIGNALS else run.stopping,
                 hooks={name: h.get_state() for h, name in zip(run.hooks, run.hook_names)

@@ -315,3 +315,37 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_exact_in_the_outputs_mode(tmp_
     from test_robust import killed_once_and_resumed
     ref, final = killed_once_and_resumed("accum_outputs", tmp_path)  # (final params etc. bitwise)
     assert final.result()["history"]["train/loss"] == ref.result()["history"]["train/loss"]
+
+
+def test_the_outputs_mode_keeps_one_copy_of_a_frozen_base_and_is_exact_with_it(tmp_path):
+    """An nnx LoRA two-tower model (a 1024 x 1024 frozen base kernel, 4 MB, and rank-4
+    adapters, `wrt=nnx.LoRAParam`) under CLIP's loss: grad_accum_mode="outputs" gives the
+    whole batch's update with the base held once, however many microbatches (the base is closed
+    over, not carried through the scan, whose backward would keep a copy a microbatch: 8
+    microbatches against 2 would need 24 MB more temporaries)."""
+    from flax import nnx
+
+    class LoRATowers(nnx.Module):
+        def __init__(self, rngs):
+            self.base = nnx.LoRALinear(1024, 1024, lora_rank=4, rngs=rngs)
+            self.a, self.b = nnx.Linear(1024, 8, rngs=rngs), nnx.Linear(1024, 8, rngs=rngs)
+
+        def __call__(self, x):
+            h = nnx.relu(self.base(x))
+            unit = lambda z: z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+            return unit(self.a(h)), unit(self.b(h)), jnp.float32(10.0)
+
+    x = np.random.default_rng(0).normal(size=(64, 1024)).astype(np.float32)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    adapters, temps = {}, {}
+    for k in (1, 2, 8):
+        model = LoRATowers(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.LoRAParam)
+        _, history = fit(model, [(x, np.zeros(64, np.int32))], optimizer=optimizer,
+                         loss_fn=clip_loss, grad_accum=k, grad_accum_mode="outputs",
+                         num_epochs=1, mesh=mesh, workdir=str(tmp_path / str(k)), verbose=0,
+                         tensorboard=False)
+        adapters[k], temps[k] = nnx.state(model, nnx.LoRAParam), history.timing[
+            "step_temp_bytes"]
+    assert max_abs_diff(adapters[8], adapters[1]) < 1e-6 * max(1.0, max_abs(adapters[1]))
+    assert temps[8] - temps[2] < 8e6, temps  # (not 6 more copies of the 4 MB base)

@@ -73,6 +73,29 @@ def test_a_total_counts_examples_seen_exactly_over_a_stop_and_a_resume(tmp_path,
     assert history["step"] == [10, 24] and history["train/examples"] == [1280.0, 3000.0]
 
 
+def test_a_total_counts_every_devices_rows_under_axis_name_and_comes_from_step_metrics_alone(
+        tmp_path, eight_device_mesh):
+    """Under `axis_name` the step runs per device and sees its own rows: a Total from
+    step_metrics is summed over the devices (all 64 rows of a batch, not one device's 8), a mean
+    averaged; a Total among loss_fn's metrics (summed per microbatch and device, wrongly) is
+    refused, naming step_metrics. (Before the review's fix: 8 rows a batch; an IndexError.)"""
+    seen = []
+    count = lambda step: {"examples": fit.Total(np.float32(step.batch[0].shape[0])),
+                          "rows": np.float32(step.batch[0].shape[0])}
+    fit.fit(make_state(MLP()), batches(4, size=64), loss_fn=loss_fn, step_metrics=count,
+            axis_name="batch", log_every=2, mesh=eight_device_mesh, workdir=str(tmp_path),
+            **QUIET, hooks=[lambda e, run: e == "log" and seen.append(
+                (run.step, run.metrics["train/examples"], run.metrics["train/rows"]))])
+    assert seen == [(2, 128.0, 8.0), (4, 256.0, 8.0)], seen
+
+    def counted_loss(logits, labels):
+        return loss_fn(logits, labels)[0], {"n": fit.Total(np.float32(labels.shape[0]))}
+    with pytest.raises(TypeError, match=r"metric 'n' is a fit.Total; a Total comes from "
+                                        r"step_metrics"):
+        fit.fit(make_state(MLP()), batches(4), loss_fn=counted_loss, grad_accum=2,
+                workdir=str(tmp_path / "b"), **QUIET)
+
+
 def test_step_metrics_with_a_train_step_of_your_own_is_refused(tmp_path):
     """Your train_step returns its own metrics: step_metrics with it raises, naming both."""
     with pytest.raises(ValueError, match="step_metrics is called by fit's own train step"):
@@ -162,6 +185,33 @@ def test_t5_a_seed_that_is_not_an_integer_is_refused_naming_it():
             fit.Options(loss_fn=loss_fn, seed=seed)
 
 
+def test_t5_shuffle_false_feeds_the_rows_in_order_and_a_resume_keeps_it(tmp_path,
+                                                                      one_device_mesh):
+    """T5: shuffling has an off switch. Rows whose first pixel is their index, batches of 16:
+    with shuffle=False every epoch's batches start at rows 0, 16, 32, 48 (with the default, the
+    first epoch's do not); a resume with the other setting is refused, naming it. `shuffle` is a
+    boolean. (7711fde: shuffle is an unknown option.)"""
+    x = np.zeros((64, 8, 8, 1), np.float32)
+    x[:, 0, 0, 0] = np.arange(64)
+    y = np.arange(64, dtype=np.int32) % 10
+
+    def firsts(**kw):
+        seen = []
+        fit.fit(make_state(MLP()), (x, y), loss_fn=loss_fn, batch_size=16, log_every=1,
+                step_metrics=lambda step: {"first": step.batch[0][0, 0, 0, 0]},
+                mesh=one_device_mesh, workdir=str(tmp_path / str(kw)), **QUIET, **kw,
+                hooks=[lambda e, run: e == "log" and seen.append(run.metrics["train/first"])])
+        return seen
+    assert firsts(shuffle=False, num_epochs=2) == [0.0, 16.0, 32.0, 48.0] * 2
+    assert firsts()[:4] != [0.0, 16.0, 32.0, 48.0]
+    kw = dict(loss_fn=loss_fn, batch_size=16, mesh=one_device_mesh, workdir=str(tmp_path), **QUIET)
+    fit.fit(make_state(MLP()), (x, y), shuffle=False, max_steps=2, **kw)
+    with pytest.raises(ValueError, match=r"trained with shuffle=False"):
+        fit.fit(make_state(MLP()), (x, y), resume=True, **kw)
+    with pytest.raises(TypeError, match=r"fit: shuffle must be True or False, got 'no'"):
+        fit.Options(loss_fn=loss_fn, shuffle="no")
+
+
 def test_t6_with_skip_every_value_in_run_metrics_is_a_float(tmp_path, one_device_mesh):
     """T6: on_nonfinite="skip" logs `train/skipped_steps`, a float like every other value of
     `run.metrics`. (7711fde logged an int there.)"""
@@ -171,6 +221,19 @@ def test_t6_with_skip_every_value_in_run_metrics_is_a_float(tmp_path, one_device
             hooks=[lambda e, run: kinds.update((k, type(v)) for k, v in run.metrics.items())])
     assert ("train/skipped_steps", float) in kinds
     assert {t for _, t in kinds} == {float}, kinds
+
+
+def test_t7_no_trailing_comment_runs_on_to_the_next_statement():
+    """T7: a comment beside code says its whole say on its own line: its parentheses close there
+    (7711fde had five that ran across two statements, e.g. `# (filled from the` / `# checkpoint if
+    the run goes on; ...)` beside two different statements)."""
+    import io
+    import tokenize
+    source = open(fit.__file__).read()
+    open_ended = [(t.start[0], t.string) for t in tokenize.generate_tokens(
+        io.StringIO(source).readline) if t.type == tokenize.COMMENT and
+        t.line.strip() != t.string and t.string.count("(") != t.string.count(")")]
+    assert open_ended == [], open_ended
 
 
 def test_t8_step_metrics_see_an_nnx_state_without_its_frozen_base(tmp_path):
