@@ -2318,7 +2318,7 @@ class _Progress:
     def write(self):
         return _jsonable({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
-    def check(self, run, seed, batching, shuffle):
+    def check(self, run, seed, batching, shuffle=True):
         """Checks the seed (shuffles, keys), shuffle and batching against the run's (None: not
         known), and the process count where each process's data loader has a position of its own."""
         processes, positions = jax.process_count(), self.positions or [self.position]
