@@ -162,9 +162,9 @@ def test_t4_an_internal_replaced_after_a_first_call_is_traced_anew(tmp_path, one
     """T4: after a first call, `fit._gradient_step` replaced by one that applies no update (the
     SGD step scaled by 0): a second call with the same functions, optimizer and shapes traces the
     replacement, so the params stay as they were. (7711fde reused the cached steps: trained.)"""
-    data, tx = batches(2), optax.sgd(0.1)
+    data, tx, model = batches(2), optax.sgd(0.1), MLP()  # (one model: one apply_fn, one key)
     kwargs = dict(loss_fn=loss_fn, mesh=one_device_mesh, **QUIET)
-    fit.fit(make_state(MLP(), tx), data, workdir=str(tmp_path / "a"), **kwargs)
+    fit.fit(make_state(model, tx), data, workdir=str(tmp_path / "a"), **kwargs)
     real = fit._gradient_step
 
     def frozen_step(state, batch, rng, config, grads_of):
@@ -172,7 +172,7 @@ def test_t4_an_internal_replaced_after_a_first_call_is_traced_anew(tmp_path, one
         return state.replace(step=new.step, opt_state=new.opt_state), metrics, grads
 
     monkeypatch.setattr(fit, "_gradient_step", frozen_step)
-    start = make_state(MLP(), tx)
+    start = make_state(model, tx)
     state, _ = fit.fit(start, data, workdir=str(tmp_path / "b"), **kwargs)
     np.testing.assert_array_equal(flat(state.params), flat(start.params))
 
@@ -262,6 +262,29 @@ ADD_BATCHES = ("        return values\n\n\ndef _eval_kind(",
 NAME_BATCHES = ("        given = self.names + list(self.arrays)",
                 "        self.names.append('batches')\n"
                 "        given = self.names + list(self.arrays)")
+
+
+def test_t9_the_host_sums_have_one_name_where_they_are_kept_and_saved():
+    """T9: the train sums on the host are `_Readings.meter`, the name they are saved under
+    (`_Progress.meter`); "sums" is left to the device arrays and their layout. (7711fde kept
+    them as `_Readings.sums` and saved them as `meter`.)"""
+    import dataclasses
+    import inspect
+    source = inspect.getsource(fit._Readings)
+    assert "self.meter" in source and "self.sums" not in source
+    assert "meter" in inspect.signature(fit._Readings).parameters
+    assert "meter" in {f.name for f in dataclasses.fields(fit._Progress)}
+
+
+def test_t10_the_reference_sends_a_per_step_quantity_to_step_metrics():
+    """T10: docs/reference.md's per-step paragraph names `step_metrics`, which sees the gradients,
+    not `_step_values`, which cannot. (7711fde's sent the fraction of clipped gradients there.)"""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "reference.md")) as f:
+        reference = f.read()
+    assert "A quantity of the step to log is `step_metrics=fn(step)`" in reference
+    assert "`_step_values` sees the step's metrics after it, not its gradients" in reference
 
 
 def test_t11_a_metric_added_in_the_eval_code_is_named_in_one_place(tmp_path, monkeypatch,
